@@ -1,0 +1,66 @@
+"""Engine configuration: one dataclass, filled from LLM(...) keywords or `pagoda worker` flags."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_bytes(value: int | str) -> int:
+    """'2GiB', '512MiB', '1e9' or an int -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"kv_cache_memory: cannot parse {value!r} as a size such as 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    model: str                                  # Hugging Face checkpoint directory
+    served_model_name: Optional[str] = None     # defaults to the directory's name
+    device: str = "auto"                        # cpu | cuda | auto
+    dtype: str = "auto"                         # auto: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory: Optional[int | str] = None  # bytes or '2GiB'
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None  # default: max(2048, max_model_len) capped to 8192
+    max_model_len: Optional[int] = None         # default: the checkpoint's
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"             # fcfs | priority
+    # auto: Triton kernels on CUDA, torch reference on CPU. PAGODA_ATTENTION=torch forces the
+    # reference everywhere, for debugging.
+    attention_backend: str = "auto"             # auto | torch | triton
+    max_waiting: int = 1024                     # queue bound; beyond it requests are refused
+
+    def __post_init__(self):
+        if self.served_model_name is None:
+            self.served_model_name = os.path.basename(os.path.normpath(self.model))
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size: must be one of 8, 16, 32, 64, 128 (got {self.block_size})")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: must be fcfs or priority (got {self.scheduling_policy!r})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: must be cpu, cuda or auto (got {self.device!r})")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend: must be auto, torch or triton (got {self.attention_backend!r})")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be at least 1 (got {self.max_num_seqs})")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        env = os.environ.get("PAGODA_ATTENTION")
+        if env:
+            self.attention_backend = env
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"

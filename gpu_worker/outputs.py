@@ -1,0 +1,109 @@
+"""Typed, narrow objects passed between the engine's layers and to its callers.
+
+Scheduler -> ModelRunner: SchedulerOutput. ModelRunner -> engine: ModelRunnerOutput.
+Engine -> callers: RequestOutput (whole, offline API) and StreamDelta (async streaming).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from gpu_worker.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step, everything the runner needs and nothing more."""
+    req_id: str
+    token_ids: list[int]          # tokens to compute this step; token_ids[0] sits at start_pos
+    start_pos: int                # = tokens already in the KV cache for this request
+    block_ids: list[int]          # the request's whole block table after this step's allocation
+    sample: bool                  # True when this chunk ends the known tokens: sample one token
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]   # read-only views, for penalties
+    output_token_ids: list[int]
+    generator: Optional[torch.Generator] = None   # per-request, when a seed is given
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    # Requests that left the batch since the last step (finished, aborted, preempted):
+    # the runner drops any per-request state it keeps for them.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of the sampled token plus the top-k alternatives."""
+    sampled: Logprob
+    top: list[Logprob]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]             # only for requests scheduled with sample=True
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None      # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None     # the stop token id or stop string that matched
+    logprobs: Optional[list[TokenLogprobs]] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StreamDelta:
+    """What one engine step added to one sequence (index among n) of a request."""
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: Optional[list[TokenLogprobs]]
+    finished: bool
+    finish_reason: Optional[str]
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    queued_prefill_tokens: int        # prompt tokens not yet computed, over running + waiting
+    num_blocks: int
+    free_blocks: int                  # free or evictable (cached with ref count 0)
+    kv_usage: float                   # 1 - free_blocks / num_blocks
+    prefix_cache_queries: int         # tokens looked up, cumulative
+    prefix_cache_hits: int            # tokens found, cumulative
+    preemptions: int
+    prompt_tokens: int                # cumulative, computed prompt tokens
+    generation_tokens: int            # cumulative

@@ -1,0 +1,61 @@
+"""Plain-torch references for the paged-KV kernels: the CPU path, and the oracle the Triton
+kernels are tested against.
+
+Layout shared by every backend:
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], one pair per layer.
+  slot_mapping[t] = block_id * block_size + offset for new token t, or -1 to skip it.
+  A step is a flat batch of T query tokens from S sequences; sequence s owns query rows
+  query_start_loc[s]:query_start_loc[s+1], has seq_lens[s] tokens of context including
+  those rows (so its first query sits at position seq_lens[s] - q_len), and its KV lives
+  in blocks block_tables[s, :ceil(seq_lens[s] / block_size)].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter key/value [T, Hkv, D] into the paged caches at slot_mapping [T]."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's KV: [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over each sequence's paged KV; returns [T, Hq, D]."""
+    if out is None:
+        out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    for s, seq_len in enumerate(lens):
+        q_s = q[starts[s]:starts[s + 1]]
+        q_len = q_s.shape[0]
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[s], seq_len)
+        v = gather_kv(v_cache, block_tables[s], seq_len)
+        # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q_s.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
+            attn_mask=mask, scale=scale, enable_gqa=num_q_heads != num_kv_heads)
+        out[starts[s]:starts[s + 1]] = o.transpose(0, 1).to(out.dtype)
+    return out

@@ -1,0 +1,9 @@
+"""Shared pytest setup: fixtures live in tests/plugins/, one module per area."""
+import os
+
+# Keep torch to the machine's size so parallel test processes do not thrash.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+pytest_plugins = [
+    "tests.plugins.models",
+]
