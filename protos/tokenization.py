@@ -1,0 +1,145 @@
+"""Prompt tokenization without transformers: the same ids as the worker's Hugging Face tokenizer.
+
+A router must compute block hashes over exactly the ids a worker will see, but it carries no
+torch or transformers. PromptTokenizer rebuilds the tokenizer from the two JSON texts a worker
+serves in GetModelInfo (tokenizer.json and tokenizer_config.json) with `tokenizers` and renders
+chat templates with a sandboxed jinja2 environment configured as transformers configures its own.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from typing import Any, Iterable, Mapping
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer
+
+_NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json spells a special token either as a string or as an AddedToken dict.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # jinja's own tojson HTML-escapes, which would change the rendered prompt.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    # Underscore names on a template namespace are a sandbox-escape vector.
+    def __setitem__(self, name, value):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat template: namespace attribute {name!r} is not allowed")
+        super().__setitem__(name, value)
+
+
+def _template_env() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, namespace=_Namespace, dict=dict,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env
+
+
+class PromptTokenizer:
+    """Text and chat messages -> token ids, from tokenizer.json + tokenizer_config.json texts."""
+
+    def __init__(self, tokenizer_json: str, tokenizer_config_json: str = "{}"):
+        self.tokenizer_json = tokenizer_json
+        self.tokenizer_config_json = tokenizer_config_json or "{}"
+        self.config: dict = json.loads(self.tokenizer_config_json)
+        self._tok = Tokenizer.from_str(tokenizer_json)
+        self.special_tokens = {k: t for k in _NAMED_SPECIAL if (t := _token_text(self.config.get(k)))}
+        self._add_missing_special_tokens()
+        self._tok.encode_special_tokens = bool(self.config.get("split_special_tokens", False))
+        self.chat_template = self._pick_template(self.config.get("chat_template"))
+        self._compiled = _template_env().from_string(self.chat_template) if self.chat_template else None
+
+    @classmethod
+    def from_dir(cls, path: str) -> "PromptTokenizer":
+        """From a checkpoint directory; a separate chat_template.jinja (the newer layout) is
+        folded into the config so the served config text is self-contained."""
+        with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
+            tok_json = f.read()
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        config = {}
+        if os.path.exists(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                config = json.load(f)
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if os.path.exists(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                config["chat_template"] = f.read()
+        return cls(tok_json, json.dumps(config))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode_text(self, text: str) -> list[int]:
+        """As `hf_tokenizer.encode(text)`: tokenizer.json's post-processor adds any BOS/EOS.
+        (transformers ignores add_bos_token/add_eos_token when tokenizer.json exists, so we do too.)"""
+        if not isinstance(text, str):
+            raise ValueError(f"text: must be a string (got {type(text).__name__})")
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def render_chat(self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self._compiled is None:
+            raise ValueError("messages: this model has no chat template; send text or token_ids")
+        chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
+        if not chat:
+            raise ValueError("messages: must hold at least one message")
+        return self._compiled.render(messages=chat, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+    def encode_chat(self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """As `hf_tokenizer.apply_chat_template(messages, tokenize=True)`: the template writes
+        any BOS itself, so no special tokens are added on top."""
+        try:
+            text = self.render_chat(messages, add_generation_prompt)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"messages: chat template refused them: {e}") from None
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _add_missing_special_tokens(self) -> None:
+        # Mirror transformers: named special tokens and added_tokens_decoder entries absent from
+        # tokenizer.json are appended as special tokens, in id order.
+        have = set(self._tok.get_vocab(with_added_tokens=True))
+        wanted = []
+        for _, spec in sorted((self.config.get("added_tokens_decoder") or {}).items(), key=lambda kv: int(kv[0])):
+            if spec.get("content") not in have:
+                wanted.append(AddedToken(spec["content"], special=spec.get("special", True),
+                                         lstrip=spec.get("lstrip", False), rstrip=spec.get("rstrip", False),
+                                         normalized=spec.get("normalized", False),
+                                         single_word=spec.get("single_word", False)))
+        for text in self.special_tokens.values():
+            if text not in have and all(t.content != text for t in wanted):
+                wanted.append(AddedToken(text, special=True))
+        if wanted:
+            self._tok.add_special_tokens(wanted)
+
+    @staticmethod
+    def _pick_template(value: Any) -> str | None:
+        # A list of named templates is allowed; "default" is the one apply_chat_template uses.
+        if isinstance(value, list):
+            named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+            return named.get("default")
+        return value if isinstance(value, str) else None
