@@ -1,0 +1,146 @@
+"""The pool of fixed-size KV-cache blocks: ref counts, the LRU free list and the prefix cache.
+
+A block whose ref count drops to 0 joins the tail of the free list but keeps its hash, so
+a later request with the same prefix can take it back (lazy eviction). Only when the block
+is handed out as a new block is its hash dropped: that is the "removed" event. The free
+list is an intrusive doubly linked list so that reviving a cached block from the middle
+of it is O(1).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Optional
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Optional[bytes] = None
+        self.prev_free: Optional[KVCacheBlock] = None
+        self.next_free: Optional[KVCacheBlock] = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Free blocks in eviction order: the head is evicted first."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]):
+        # Sentinels spare every operation the empty-list and end-of-list cases.
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def popleft(self) -> KVCacheBlock:
+        if self.num_free == 0:
+            raise ValueError("no free blocks")
+        block = self._head.next_free
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free += 1
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        b = self._head.next_free
+        while b is not self._tail:
+            yield b
+            b = b.next_free
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: the KV pool needs at least one block (got {num_blocks})")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVCacheBlock] = {}
+        self.events: list[tuple[str, bytes]] = []
+
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: free, including cached ones with no owner."""
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks() / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> Optional[KVCacheBlock]:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cache hits, pulling idle ones out of the free list."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks():
+            raise ValueError(f"cannot allocate {n} blocks, {self.num_free_blocks()} free")
+        out = []
+        for _ in range(n):
+            b = self.free_queue.popleft()
+            self._evict(b)
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+                self.events.append(("removed", block.block_hash))
+            block.block_hash = None
+
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], hashes: list[bytes],
+                          start: int, end: int) -> None:
+        """Name blocks[start:end] by their chained hashes now that their tokens are final."""
+        if not self.enable_caching:
+            return
+        for b, h in zip(blocks[start:end], hashes[start:end]):
+            if b.block_hash is not None:
+                continue
+            b.block_hash = h
+            # Two requests can compute the same block in one step; the first one is kept
+            # in the cache and the duplicate simply goes back as a plain block when freed.
+            if h not in self.cached:
+                self.cached[h] = b
+                self.events.append(("stored", h))
+
+    def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each; idle blocks join the LRU tail in the order given."""
+        for b in ordered:
+            b.ref_cnt -= 1
+            assert b.ref_cnt >= 0, b
+            if b.ref_cnt == 0:
+                if b.block_hash is not None and self.cached.get(b.block_hash) is not b:
+                    b.block_hash = None    # a duplicate: nothing can ever find it
+                self.free_queue.append(b)
+
+    def take_events(self) -> list[tuple[str, bytes]]:
+        events, self.events = self.events, []
+        return events
+
+    def cached_hashes(self) -> list[bytes]:
+        return list(self.cached)

@@ -1,0 +1,86 @@
+"""The request-facing side of the block pool: prefix-cache lookups, slot allocation, freeing."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from gpu_worker.block_pool import BlockPool, KVCacheBlock
+from gpu_worker.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already named in the cache.
+        self.num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached chain of the request's full blocks, and the tokens it covers.
+
+        At most num_tokens - 1 tokens: the last token is always computed so that the step
+        yields logits to sample from.
+        """
+        if not self.enable_caching:
+            return [], 0
+        limit = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for h in request.block_hashes[:limit]:
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = ()) -> Optional[list[KVCacheBlock]]:
+        """Make room for num_new_tokens more tokens; None (and no change) if blocks run out."""
+        if num_new_tokens < 1:
+            raise ValueError("num_new_tokens must be at least 1")
+        blocks = self.req_to_blocks.setdefault(request.req_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        # Cache hits that sit idle in the free list stop being free once taken.
+        idle_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks() - idle_hits:
+            if not blocks:
+                del self.req_to_blocks[request.req_id]
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        if num_needed > 0:
+            blocks.extend(self.pool.get_new_blocks(num_needed))
+        self._cache_blocks(request, blocks, num_computed + num_new_tokens)
+        return blocks
+
+    def _cache_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        # Every token up to num_tokens is known (prompt, or sampled), so full blocks can be
+        # named now; their KV is written by this step's forward before anyone reads it.
+        start = self.num_cached_blocks.get(request.req_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        if end > start:
+            self.pool.cache_full_blocks(blocks, request.block_hashes, start, end)
+            self.num_cached_blocks[request.req_id] = end
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so the LRU evicts a chain's tail first."""
+        blocks = self.req_to_blocks.pop(request.req_id, [])
+        self.num_cached_blocks.pop(request.req_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request.req_id, [])]

@@ -1,0 +1,91 @@
+"""One sequence the engine is generating: its tokens, progress, status and block hashes.
+
+A caller's request with n > 1 becomes n of these (children), one per output index.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Optional
+
+from gpu_worker.outputs import TokenLogprobs
+from gpu_worker.sampling_params import SamplingParams
+from protos.block_hash import block_hashes
+
+_arrivals = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+class Request:
+    def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 block_size: int, hash_root: bytes, priority: int = 0,
+                 parent_id: Optional[str] = None, index: int = 0):
+        self.req_id = req_id                    # unique inside the engine
+        self.parent_id = parent_id if parent_id is not None else req_id   # the caller's id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        # A global counter rather than a clock: ties between requests added in one tick
+        # must still order by arrival.
+        self.arrival = next(_arrivals)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1             # set when first admitted
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[TokenLogprobs] = []
+        self.generator = None
+        self.block_size = block_size
+        self.hash_root = hash_root
+        self.block_hashes: list[bytes] = block_hashes(self.all_token_ids, block_size, hash_root)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.status.value if self.status.finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.num_tokens % self.block_size == 0:
+            # Only the block that just filled up is new; the chain extends from the last hash.
+            self.block_hashes = block_hashes(self.all_token_ids, self.block_size,
+                                             self.hash_root, self.block_hashes)
+
+    def uncomputed_prefill_tokens(self) -> int:
+        """Known tokens still to be computed, not counting the one pending decode token."""
+        known = self.num_tokens - (1 if self.output_token_ids else 0)
+        return max(0, known - self.num_computed_tokens)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.req_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

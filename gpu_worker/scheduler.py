@@ -1,0 +1,192 @@
+"""Continuous batching: which requests run this step, and how many tokens each computes.
+
+One token budget per step (max_num_batched_tokens), spent on running requests first, then
+on waiting ones; long prompts are prefilled in chunks. When blocks run out a running
+request is preempted by recompute: its blocks are freed and it goes back to the front of
+the queue (its full blocks usually stay in the prefix cache, so recompute is cheap).
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Iterable, Optional
+
+from gpu_worker.kv_cache_manager import KVCacheManager
+from gpu_worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from gpu_worker.request import Request, RequestStatus
+
+
+class WaitingQueue:
+    """FCFS: a deque, preempted requests back at the front. Priority: a heap on
+    (priority, arrival), so a preempted request regains its old place by itself."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self._fcfs: deque[Request] = deque()
+        self._heap: list[tuple[int, int, Request]] = []
+
+    def __len__(self) -> int:
+        return len(self._fcfs) if self.policy == "fcfs" else len(self._heap)
+
+    def __iter__(self):
+        if self.policy == "fcfs":
+            return iter(list(self._fcfs))
+        return iter([r for _, _, r in sorted(self._heap, key=lambda e: e[:2])])
+
+    def add(self, req: Request, front: bool = False) -> None:
+        if self.policy == "fcfs":
+            self._fcfs.appendleft(req) if front else self._fcfs.append(req)
+        else:
+            heapq.heappush(self._heap, (req.priority, req.arrival, req))
+
+    def peek(self) -> Request:
+        return self._fcfs[0] if self.policy == "fcfs" else self._heap[0][2]
+
+    def pop(self) -> Request:
+        return self._fcfs.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[2]
+
+    def remove(self, req: Request) -> None:
+        if self.policy == "fcfs":
+            self._fcfs.remove(req)
+        else:
+            self._heap = [e for e in self._heap if e[2] is not req]
+            heapq.heapify(self._heap)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs"):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_prompt_tokens = 0
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.req_id] = req
+        self.waiting.add(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: dict[str, int] = {}     # req_id -> tokens this step, in batch order
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self._pick_victim()
+                budget += chunks.pop(victim.req_id, 0)
+                if self.running.index(victim) < i:
+                    i -= 1
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                chunks[req.req_id] = n
+                budget -= n
+                i += 1
+        # Admitting after a preemption would only take back the blocks just freed.
+        if not preempted:
+            budget = self._admit(budget, chunks)
+        return self._output(chunks)
+
+    def _admit(self, budget: int, chunks: dict[str, int]) -> int:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.pop()
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += num_hit
+            self.running.append(req)
+            chunks[req.req_id] = n
+            budget -= n
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.finished_req_ids.add(req.req_id)
+        self.waiting.add(req, front=True)
+
+    def _output(self, chunks: dict[str, int]) -> SchedulerOutput:
+        scheduled = []
+        for req_id, n in chunks.items():
+            req = self.requests[req_id]
+            start = req.num_computed_tokens
+            self.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
+            scheduled.append(ScheduledRequest(
+                req_id=req_id, token_ids=req.all_token_ids[start:start + n], start_pos=start,
+                block_ids=self.kv.block_ids(req), sample=start + n == req.num_tokens,
+                sampling_params=req.params, prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids, generator=req.generator))
+        out = SchedulerOutput(scheduled=scheduled, finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance progress; return the requests that got a new token, in batch order."""
+        advanced = []
+        for s in out.scheduled:
+            req = self.requests.get(s.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += len(s.token_ids)
+            token = result.sampled_token_ids.get(s.req_id)
+            if s.sample and token is not None:
+                req.append_output_token(token)
+                if s.req_id in result.logprobs and req.params.logprobs is not None:
+                    req.logprobs.append(result.logprobs[s.req_id])
+                advanced.append(req)
+        return advanced
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        done = []
+        for req_id in req_ids:
+            req = self.requests.pop(req_id, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self.kv.free(req)
+            self.finished_req_ids.add(req_id)
+            done.append(req)
+        return done
+
+    def get_request(self, req_id: str) -> Optional[Request]:
+        return self.requests.get(req_id)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def queued_prefill_tokens(self) -> int:
+        return sum(r.uncomputed_prefill_tokens() for r in self.requests.values())
