@@ -1,0 +1,23 @@
+"""`python -m gpu_worker --model DIR ...`: one worker process (flags in gpu_worker/args.py)."""
+import asyncio
+import logging
+import sys
+
+from gpu_worker.args import build_parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from gpu_worker.server import serve
+    try:
+        asyncio.run(serve(args))
+    except ValueError as e:     # a bad flag value found by the engine config: say which, no traceback
+        logging.getLogger("gpu_worker").error("%s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

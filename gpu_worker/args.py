@@ -1,0 +1,64 @@
+"""Command-line flags of `python -m gpu_worker` (and `pagoda worker`).
+
+Kept free of torch and of the engine so that `--help` is instant and the CLI can share it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import socket
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagoda worker", description="Serve one model over gRPC (pagoda.v1).")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--served-model-name", default=None, help="name clients ask for (default: the directory's name)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus HTTP port; 0 turns it off")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    pool = p.add_argument_group("KV-cache pool size (the first given wins: blocks, bytes, GPU fraction)")
+    pool.add_argument("--kv-cache-memory", default=None, help="bytes for the pool, e.g. 2GiB")
+    pool.add_argument("--num-kv-blocks", type=int, default=None)
+    pool.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests queued beyond this are refused with RESOURCE_EXHAUSTED")
+    p.add_argument("--redis-url", default=None, help="publish load and cached blocks here (password: REDIS_PASSWORD)")
+    p.add_argument("--advertise-address", default=None, help="HOST:PORT routers dial (default: hostname:port)")
+    p.add_argument("--worker-id", default=None, help="default: hostname-port-pid-random")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--snapshot-interval", type=float, default=5.0)
+    p.add_argument("--drain-grace-seconds", type=float, default=30.0,
+                   help="after SIGTERM, how long running streams may take to finish")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def default_worker_id(port: int) -> str:
+    # Unique per process even when a pod restarts with the same hostname and pid.
+    return f"{socket.gethostname()}-{port}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def advertise_address(args: argparse.Namespace) -> str:
+    if args.advertise_address:
+        return args.advertise_address
+    host = args.host if args.host not in ("0.0.0.0", "::", "[::]") else socket.gethostname()
+    return f"{host}:{args.port}"
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig keywords these flags set (the caller builds the config, importing the engine)."""
+    return dict(model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
+                max_waiting=args.max_waiting)

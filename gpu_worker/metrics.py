@@ -1,0 +1,87 @@
+"""Prometheus metrics of one worker, named as vLLM names them (`pagoda:` in place of `vllm:`).
+
+Load gauges and cumulative token counters are read from engine.stats() at scrape time, so they
+cost nothing per step; latency histograms are observed by the server as tokens stream out.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:     # outputs imports torch; the metrics need only the field names
+    from gpu_worker.outputs import EngineStats
+
+# Same bucket edges as vLLM's, so existing dashboards' quantiles read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector:
+    """Turns one engine.stats() snapshot into the load gauges and token counters."""
+
+    def __init__(self, stats: Callable[[], "EngineStats"], model_name: str):
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self):
+        s = self.stats()
+        label = [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(f"pagoda:{name}", doc, labels=["model_name"])
+            g.add_metric(label, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(f"pagoda:{name}", doc, labels=["model_name"])
+            c.add_metric(label, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", s.kv_usage)
+        yield gauge("num_kv_blocks", "Blocks in the KV-cache pool.", s.num_blocks)
+        yield gauge("num_free_kv_blocks", "Free or evictable KV-cache blocks.", s.free_blocks)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield counter("num_preemptions", "Preemptions (requests sent back to recompute).", s.preemptions)
+        yield counter("prompt_tokens", "Prefill tokens computed.", s.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+
+
+class WorkerMetrics:
+    """One registry per worker (not the process-global one), so tests can run several."""
+
+    def __init__(self, stats: Callable[[], "EngineStats"], model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(stats, model_name))
+        kw = dict(labelnames=["model_name"], registry=self.registry)
+        self.ttft = Histogram("pagoda:time_to_first_token_seconds", "Time to first token.",
+                              buckets=TTFT_BUCKETS, **kw).labels(model_name)
+        self.itl = Histogram("pagoda:inter_token_latency_seconds", "Time between streamed tokens.",
+                             buckets=ITL_BUCKETS, **kw).labels(model_name)
+        self.e2e = Histogram("pagoda:e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                             buckets=E2E_BUCKETS, **kw).labels(model_name)
+        self.success = Counter("pagoda:request_success", "Finished requests by finish reason.",
+                               labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self._server = None
+
+    def request_finished(self, reason: str) -> None:
+        self.success.labels(self.model_name, reason or "abort").inc()
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts the HTTP exporter in a daemon thread; returns the bound port."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,308 @@
+"""The worker's gRPC server (grpc.aio): pagoda.v1 Generation and Admin over one AsyncLLM,
+plus standard health checking, server reflection, Prometheus metrics and graceful drain.
+
+Request handling is a thin translation: proto -> (token ids, SamplingParams) -> AsyncLLM.generate
+-> GenerateResponse per delta. The engine validates; its ValueError becomes INVALID_ARGUMENT with
+the engine's message (which names the field). A cancelled call or passed deadline cancels the
+handler task, which closes the engine stream and so aborts the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import time
+import uuid
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gpu_worker.sampling_params import SamplingParams
+from protos.pagoda.v1 import pagoda_pb2 as pb
+from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from protos.tokenization import PromptTokenizer
+
+log = logging.getLogger("gpu_worker.server")
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+_SCALARS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "skip_special_tokens")
+MAX_REQUEST_ID_LEN = 256
+
+
+def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
+    """Only fields the caller set override the engine's defaults."""
+    kw = {name: getattr(sp, name) for name in _SCALARS if sp.HasField(name)}
+    if sp.logit_bias:
+        kw["logit_bias"] = dict(sp.logit_bias)
+    return SamplingParams(stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+                          include_stop_str_in_output=sp.include_stop_str_in_output, **kw)
+
+
+class _Invalid(Exception):
+    """A request field the server itself refuses (before the engine sees it)."""
+
+
+class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
+    def __init__(self, engine, tokenizer: PromptTokenizer, worker_id: str, metrics=None,
+                 health_servicer: Optional[health.aio.HealthServicer] = None):
+        self.engine, self.tokenizer, self.worker_id = engine, tokenizer, worker_id
+        self.metrics, self.health = metrics, health_servicer
+        self.model_name = engine.model_name
+        self.draining = False
+        self.active: set[asyncio.Task] = set()     # handler tasks of open Generate streams
+
+    # ---- Generation ---------------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request elsewhere")
+        try:
+            ids = self._prompt_ids(request)
+            params = sampling_from_proto(request.sampling)
+        except (_Invalid, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id or uuid.uuid4().hex
+        task = asyncio.current_task()
+        self.active.add(task)
+        try:
+            async for resp in self._stream(rid, ids, params, request, context):
+                yield resp
+        finally:
+            self.active.discard(task)
+
+    async def _stream(self, rid, ids, params, request, context):
+        from gpu_worker.async_llm import QueueFullError
+        t0 = time.monotonic()
+        last: dict[int, float] = {}                # per sequence: when its last token went out
+        stream = self.engine.generate(rid, ids, params, priority=request.priority,
+                                      cache_salt=request.cache_salt, adapter=request.adapter)
+        started = False
+        try:
+            async for delta in stream:
+                started = True
+                self._observe(delta, t0, last)
+                yield self._response(delta)
+        except ValueError as e:
+            if started:
+                raise
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e) or "waiting queue is full")
+        finally:
+            # Closing the engine stream is what aborts the request when the call was cancelled.
+            await stream.aclose()
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        if request.model and request.model != self.model_name:
+            raise _Invalid(f"model: unknown model {request.model!r}; this worker serves {self.model_name!r}")
+        if len(request.request_id) > MAX_REQUEST_ID_LEN:
+            raise _Invalid(f"request_id: at most {MAX_REQUEST_ID_LEN} characters")
+        given = [name for name, present in (("text", request.HasField("text")), ("messages", bool(request.messages)),
+                                            ("token_ids", bool(request.token_ids))) if present]
+        if len(given) > 1:
+            raise _Invalid(f"{', '.join(given)}: give exactly one of text, messages or token_ids")
+        if not given:
+            raise _Invalid("prompt: give one of text, messages or token_ids; the prompt is empty")
+        if given[0] == "text":
+            if not request.text:
+                raise _Invalid("text: the prompt is empty")
+            return self.tokenizer.encode_text(request.text)
+        if given[0] == "messages":
+            agp = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+            return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages],
+                                              add_generation_prompt=agp)
+        return list(request.token_ids)
+
+    def _observe(self, delta, t0: float, last: dict[int, float]) -> None:
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        if delta.token_ids:
+            prev = last.get(delta.index)
+            if prev is None:
+                self.metrics.ttft.observe(now - t0)
+            else:
+                # A delta can carry several tokens (e.g. a held-back stop string released).
+                for _ in delta.token_ids:
+                    self.metrics.itl.observe((now - prev) / len(delta.token_ids))
+            last[delta.index] = now
+        if delta.finished:
+            self.metrics.e2e.observe(now - t0)
+            self.metrics.request_finished(delta.finish_reason)
+
+    def _response(self, d) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=d.request_id, index=d.index, token_ids=d.token_ids, text=d.text,
+                                   finished=d.finished, worker_id=self.worker_id)
+        for lp in d.logprobs or ():
+            resp.logprobs.append(pb.Logprobs(sampled=self._lp(lp.sampled), top=[self._lp(t) for t in lp.top]))
+        if d.finished:
+            resp.finish_reason = _FINISH.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+            if isinstance(d.stop_reason, str):
+                resp.stop_str = d.stop_reason
+            elif isinstance(d.stop_reason, int):
+                resp.stop_token_id = d.stop_reason
+            resp.usage.CopyFrom(pb.Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_output_tokens,
+                                         cached_prompt_tokens=d.num_cached_tokens))
+        return resp
+
+    def _lp(self, lp) -> pb.TokenLogprob:
+        value = lp.logprob if math.isfinite(lp.logprob) else -1e30
+        return pb.TokenLogprob(token_id=lp.token_id, logprob=value,
+                               token=self.tokenizer.decode([lp.token_id], skip_special_tokens=False))
+
+    async def GetModelInfo(self, request, context):
+        if request.model and request.model != self.model_name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"model: unknown model {request.model!r}; this worker serves {self.model_name!r}")
+        e = self.engine
+        return pb.ModelInfoResponse(model=self.model_name, max_model_len=e.max_model_len, block_size=e.block_size,
+                                    vocab_size=e.vocab_size, eos_token_ids=list(e.eos_token_ids),
+                                    tokenizer_json=self.tokenizer.tokenizer_json,
+                                    tokenizer_config_json=self.tokenizer.tokenizer_config_json,
+                                    worker_id=self.worker_id)
+
+    async def Tokenize(self, request, context):
+        req = pb.GenerateRequest(model=request.model, messages=request.messages)
+        if request.HasField("text"):
+            req.text = request.text
+        if request.HasField("add_generation_prompt"):
+            req.add_generation_prompt = request.add_generation_prompt
+        try:
+            return pb.TokenizeResponse(token_ids=self._prompt_ids(req))
+        except (_Invalid, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    # ---- Admin --------------------------------------------------------------------------
+
+    async def GetLoad(self, request, context):
+        s = self.engine.stats()
+        return pb.LoadReport(worker_id=self.worker_id, model=self.model_name, running=s.running, waiting=s.waiting,
+                             queued_prefill_tokens=s.queued_prefill_tokens, kv_usage=s.kv_usage,
+                             free_blocks=s.free_blocks, num_blocks=s.num_blocks, draining=self.draining)
+
+    async def Abort(self, request, context):
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        return pb.AbortResponse(found=bool(await self.engine.abort(request.request_id)))
+
+    async def Drain(self, request, context):
+        await self.start_drain()
+        return pb.DrainResponse(running=len(self.active))
+
+    async def start_drain(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        log.info("draining: admissions stopped, %d streams open", len(self.active))
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when every open stream ended within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.active
+
+
+class Worker:
+    """Everything one `python -m gpu_worker` process runs, start to graceful stop."""
+
+    def __init__(self, args, engine=None):
+        self.args, self.engine = args, engine
+        self.server: Optional[grpc.aio.Server] = None
+        self.service: Optional[WorkerService] = None
+        self.metrics = None
+        self.publisher = None
+        self.port = None
+        self.stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        from gpu_worker import args as worker_args
+        a = self.args
+        if self.engine is None:
+            from gpu_worker.async_llm import AsyncLLM
+            from gpu_worker.config import EngineConfig
+            self.engine = AsyncLLM(EngineConfig(**worker_args.engine_config_kwargs(a)))
+        engine = self.engine
+        tokenizer = PromptTokenizer.from_dir(a.model)
+        self.worker_id = a.worker_id or worker_args.default_worker_id(a.port)
+        if a.metrics_port:
+            from gpu_worker.metrics import WorkerMetrics
+            self.metrics = WorkerMetrics(engine.stats, engine.model_name)
+            self.metrics.serve(a.host, a.metrics_port)
+        health_servicer = health.aio.HealthServicer()
+        self.service = WorkerService(engine, tokenizer, self.worker_id, self.metrics, health_servicer)
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_GenerationServicer_to_server(self.service, self.server)
+        pb_grpc.add_AdminServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
+        names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in ("Generation", "Admin")]
+        reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(f"{a.host}:{a.port}")
+        if self.port == 0:
+            raise RuntimeError(f"port: cannot bind {a.host}:{a.port}")
+        await self.server.start()
+        for name in [""] + names:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._log_startup(engine)
+        if a.redis_url:
+            await self._start_publisher(a)
+
+    def _log_startup(self, engine) -> None:
+        inner = getattr(engine, "engine", engine)
+        runner = getattr(inner, "runner", None)
+        device = getattr(runner, "device", self.args.device)
+        dtype = str(getattr(runner, "dtype", self.args.dtype)).replace("torch.", "")
+        capacity = engine.num_blocks * engine.block_size
+        log.info("pagoda worker %s serving model=%s device=%s dtype=%s blocks=%d token_capacity=%d "
+                 "max_concurrency@max_model_len(%d)=%.2f listening on %s:%d",
+                 self.worker_id, engine.model_name, device, dtype, engine.num_blocks, capacity,
+                 engine.max_model_len, capacity / engine.max_model_len, self.args.host, self.port)
+
+    async def _start_publisher(self, a) -> None:
+        try:
+            from gpu_worker.publisher import Publisher
+        except ImportError as e:    # the publisher is optional: serving must not depend on Redis
+            log.warning("redis publisher unavailable (%s); serving without it", e)
+            return
+        from gpu_worker.args import advertise_address
+        address = a.advertise_address or advertise_address(_with_port(a, self.port))
+        self.publisher = Publisher(a.redis_url, self.worker_id, self.engine.model_name, address, self.engine,
+                                   heartbeat_s=a.heartbeat_interval, snapshot_s=a.snapshot_interval)
+        await self.publisher.start()
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop admissions, let open streams finish for up to `grace` seconds, then stop."""
+        await self.service.start_drain()
+        finished = await self.service.wait_idle(grace)
+        log.info("shutdown: %s", "all streams finished" if finished else "grace period over, cancelling streams")
+        await self.server.stop(0.5)
+        if self.publisher is not None:
+            await self.publisher.stop()
+        await self.engine.shutdown()
+        if self.metrics is not None:
+            self.metrics.stop()
+        self.stopped.set()
+
+
+def _with_port(args, port: int):
+    import argparse
+    return argparse.Namespace(**{**vars(args), "port": port})
+
+
+async def serve(args) -> None:
+    """Run until SIGTERM/SIGINT, then drain gracefully."""
+    worker = Worker(args)
+    await worker.start()
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    log.info("signal received: draining for up to %.1fs", args.drain_grace_seconds)
+    await worker.shutdown(args.drain_grace_seconds)
