@@ -1,0 +1,155 @@
+"""Fixtures that run real `python -m gpu_worker` processes on loopback.
+
+start_worker(model_dir, **flags) -> WorkerHandle with .address, .port, .proc, .stop(). Flags are
+worker flags with underscores (num_kv_blocks=32 -> --num-kv-blocks 32; True -> bare flag). The
+worker binds port 0 and logs its address; the handle waits for that line, then for health SERVING.
+Every process runs in its own process group, killed at teardown whatever the test did.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_LISTEN = re.compile(r"listening on [^\s]+:(\d+)")
+DEFAULT_FLAGS = dict(host="127.0.0.1", port=0, device="cpu", num_kv_blocks=64, metrics_port=0,
+                     drain_grace_seconds=10, log_level="INFO")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flag_args(flags: dict) -> list[str]:
+    out = []
+    for key, value in flags.items():
+        if value is None or value is False:
+            continue
+        out.append("--" + key.replace("_", "-"))
+        if value is not True:
+            out.append(str(value))
+    return out
+
+
+class WorkerHandle:
+    def __init__(self, proc: subprocess.Popen, log_path: Path, metrics_port: int):
+        self.proc, self.log_path, self.metrics_port = proc, log_path, metrics_port
+        self.port = None
+        self.address = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.port is None:
+            m = _LISTEN.search(self.log())
+            if m:
+                self.port = int(m.group(1))
+                self.address = f"127.0.0.1:{self.port}"
+            elif self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"worker did not start in {timeout}s:\n{self.log()[-4000:]}")
+            else:
+                time.sleep(0.1)
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        with grpc.insecure_channel(self.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker not SERVING in {timeout}s:\n{self.log()[-4000:]}")
+                time.sleep(0.1)
+
+    def signal(self, sig=signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (graceful drain); SIGKILL the group if it outlives `timeout`. Returns the exit code."""
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.wait()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def launch_worker(model_dir: str, log_dir: Path, metrics: bool = False, timeout: float = 120.0,
+                  env: dict | None = None, **flags) -> WorkerHandle:
+    flags = {**DEFAULT_FLAGS, **flags}
+    if metrics:
+        flags["metrics_port"] = free_port()
+    log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gpu_worker", "--model", model_dir, *flag_args(flags)],
+                                cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    handle = WorkerHandle(proc, log_path, flags["metrics_port"])
+    try:
+        handle.wait_ready(timeout)
+    except Exception:
+        handle.kill()
+        proc.wait()
+        raise
+    return handle
+
+
+def _factory(tmp_path_factory):
+    handles: list[WorkerHandle] = []
+    log_dir = tmp_path_factory.mktemp("worker-logs")
+
+    def start(model_dir: str, **flags) -> WorkerHandle:
+        h = launch_worker(model_dir, log_dir, **flags)
+        handles.append(h)
+        return h
+
+    return start, handles
+
+
+def _cleanup(handles):
+    for h in handles:
+        if h.proc.poll() is None:
+            h.stop(timeout=15)
+        h.kill()    # any children left in the group
+
+
+@pytest.fixture
+def start_worker(tmp_path_factory):
+    """start_worker(model_dir, **flags) -> WorkerHandle; stopped at the end of the test."""
+    start, handles = _factory(tmp_path_factory)
+    yield start
+    _cleanup(handles)
+
+
+@pytest.fixture(scope="module")
+def start_worker_module(tmp_path_factory):
+    """As start_worker, but the workers live for the whole test module."""
+    start, handles = _factory(tmp_path_factory)
+    yield start
+    _cleanup(handles)
