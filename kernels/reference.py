@@ -59,3 +59,38 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             attn_mask=mask, scale=scale, enable_gqa=num_q_heads != num_kv_heads)
         out[starts[s]:starts[s + 1]] = o.transpose(0, 1).to(out.dtype)
     return out
+
+
+def random_paged_batch(q_lens: list[int], seq_lens: list[int], num_q_heads: int, num_kv_heads: int,
+                       head_dim: int, block_size: int, dtype=torch.float32, device="cpu",
+                       spare_blocks: int = 3, generator: torch.Generator | None = None) -> dict:
+    """A random step for tests and benchmarks: q, caches and a scattered (permuted) block table.
+
+    Sequence s has q_lens[s] query rows at the end of seq_lens[s] tokens of context. The pool has
+    spare_blocks unused blocks on top, and unused block-table entries hold -1, so a kernel that
+    reads past a sequence's blocks touches the wrong memory or faults instead of passing.
+    """
+    if len(q_lens) != len(seq_lens) or any(q > s for q, s in zip(q_lens, seq_lens)):
+        raise ValueError("q_lens: each must be at most its seq_lens entry, one per sequence")
+    blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    table = torch.full((len(seq_lens), max(blocks + [1])), -1, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(blocks):
+        table[s, :n] = perm[used:used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+
+    def rand(*size):
+        if generator is None:
+            return torch.randn(*size, dtype=dtype, device=device)
+        return torch.randn(*size, generator=generator).to(dtype=dtype, device=device)
+
+    return dict(q=rand(starts[-1], num_q_heads, head_dim), k_cache=rand(*shape), v_cache=rand(*shape),
+                block_tables=table.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+                scale=head_dim ** -0.5)

@@ -5,5 +5,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 pytest_plugins = [
+    "tests.plugins.kernels",
     "tests.plugins.models",
+    "tests.plugins.servers",
 ]
