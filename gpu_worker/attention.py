@@ -1,0 +1,64 @@
+"""Paged attention layer: write a step's K/V into the block pool by slot mapping, then attend.
+
+The backend is picked once per model from config.attention_backend: "torch" uses the
+kernels.reference functions (the exact CPU path), "triton" the Triton kernels (imported
+lazily: they need a GPU), "auto" Triton on CUDA and torch elsewhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kernels.reference import paged_attention_ref, write_kv_cache_ref
+
+
+@dataclass
+class AttentionMetadata:
+    """The flat step as every attention layer sees it (see kernels/reference.py for the layout)."""
+    slot_mapping: torch.Tensor      # [T] int64, -1 = do not write
+    block_tables: torch.Tensor      # [S, max_blocks] int32
+    seq_lens: torch.Tensor          # [S] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor   # [S + 1] int32
+
+
+def select_backend(name: str, device: torch.device) -> tuple[Callable, Callable]:
+    """(write_kv_cache, paged_attention) for a backend name and the device it runs on."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return write_kv_cache_ref, paged_attention_ref
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError(f"attention_backend: triton needs a CUDA device (got {device.type})")
+        from kernels.triton_attention import paged_attention_triton
+        from kernels.triton_cache import write_kv_cache_triton
+        return write_kv_cache_triton, paged_attention_triton
+    raise ValueError(f"attention_backend: must be auto, torch or triton (got {name!r})")
+
+
+class PagedAttention(nn.Module):
+    """Attention over the paged KV cache; holds this layer's cache views, not the pool itself."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.k_cache = self.v_cache = None
+        self.write_fn, self.attend_fn = write_kv_cache_ref, paged_attention_ref
+
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             write_fn: Callable, attend_fn: Callable) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.write_fn, self.attend_fn = write_fn, attend_fn
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        if self.k_cache is None:
+            raise RuntimeError("KV cache not allocated: call ModelRunner.allocate_kv_cache first")
+        self.write_fn(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.attend_fn(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                              meta.query_start_loc, self.scale)

@@ -1,0 +1,224 @@
+"""Runs one scheduled step on the device: flat batch in, one sampled token per sampling request out.
+
+Owns the model, the tokenizer, the per-layer KV caches and the sampler. A SchedulerOutput is
+flattened into token ids, positions, slot mapping, block tables, seq lens and query_start_loc;
+logits are computed only for rows that end a request's known tokens.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+
+import torch
+
+from gpu_worker.attention import AttentionMetadata, select_backend
+from gpu_worker.config import EngineConfig
+from gpu_worker.loader import load_hf_config, load_model, resolve_dtype
+from gpu_worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from gpu_worker.sampler import Sampler, SamplingRow
+
+log = logging.getLogger(__name__)
+
+_PARKED_GENERATORS = 4096
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.hf_config = load_hf_config(config.model)
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        limit = int(self.hf_config.max_position_embeddings)
+        if config.max_model_len is not None and not 0 < config.max_model_len <= limit:
+            raise ValueError(f"max_model_len: must be in [1, {limit}] for this checkpoint "
+                             f"(max_position_embeddings), got {config.max_model_len}")
+        self.max_model_len = config.max_model_len or limit
+        self.eos_token_ids = self._eos_token_ids()
+        self.block_size = config.block_size
+        self.model = load_model(config.model, self.hf_config, self.device, self.dtype)
+        self.write_fn, self.attend_fn = select_backend(config.attention_backend, self.device)
+        attn = self.model.attention_layers()[0]
+        self.num_layers = len(self.model.attention_layers())
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sampler = Sampler(self.eos_token_ids)
+        self.generators: dict[str, torch.Generator] = {}
+        # Generators of requests that left the batch, kept a while: a preempted request comes
+        # back for recompute and must continue its random stream, not restart it.
+        self._parked: OrderedDict[str, torch.Generator] = OrderedDict()
+
+    def _eos_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(int(self.tokenizer.eos_token_id))
+        try:
+            from transformers import GenerationConfig
+            gen_eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+        except OSError:
+            gen_eos = None
+        if gen_eos is None:
+            gen_eos = self.hf_config.eos_token_id
+        for t in gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]:
+            if t is not None and int(t) not in ids:
+                ids.append(int(t))
+        return ids
+
+    # ---- memory -------------------------------------------------------------------------
+
+    def bytes_per_block(self) -> int:
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def num_blocks_for(self) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return int(c.num_kv_blocks)
+        if c.kv_cache_memory is not None:
+            return int(c.kv_cache_memory) // self.bytes_per_block()
+        if self.device.type == "cuda":
+            return self._profile_num_blocks()
+        return math.ceil(8 * self.max_model_len / self.block_size)
+
+    def max_num_batched_tokens(self) -> int:
+        if self.config.max_num_batched_tokens:
+            return self.config.max_num_batched_tokens
+        return min(max(2048, self.max_model_len), 8192)
+
+    def _profile_num_blocks(self) -> int:
+        """Blocks that fit in gpu_memory_utilization after weights and a dummy full step's peak."""
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        # Memory outside this process's torch allocator (CUDA context, other processes).
+        outside = total - free - torch.cuda.memory_reserved(self.device)
+        # The worst step: max_num_batched_tokens of prefill, cut into sequences of at most
+        # max_model_len tokens, each with its own blocks.
+        seq_len = min(self.max_num_batched_tokens(), self.max_model_len)
+        lens, left = [], self.max_num_batched_tokens()
+        while left > 0 and len(lens) < self.config.max_num_seqs:
+            lens.append(min(left, seq_len))
+            left -= lens[-1]
+        reqs, first = [], 0
+        for n in lens:
+            nblocks = math.ceil(n / self.block_size)
+            reqs.append((list(range(first, first + nblocks)), n))
+            first += nblocks
+        self.allocate_kv_cache(first)
+        temp_kv = first * self.bytes_per_block()
+        ids, pos, meta = self._dummy_batch(reqs)
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, meta)
+            rows = min(self.config.max_num_seqs, hidden.shape[0])
+            torch.softmax(self.model.compute_logits(hidden[:rows]), dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - temp_kv
+        self.kv_caches = []
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = None
+        torch.cuda.empty_cache()
+        budget = total * self.config.gpu_memory_utilization - outside - peak
+        blocks = int(budget // self.bytes_per_block())
+        log.info("profiled peak %.2f GiB (weights + activations), outside torch %.2f GiB, "
+                 "KV budget %.2f GiB", peak / 2**30, outside / 2**30, max(budget, 0) / 2**30)
+        if blocks < 1:
+            raise ValueError("gpu_memory_utilization: no memory left for the KV cache "
+                             f"(budget {budget / 2**30:.2f} GiB after weights and activations)")
+        return blocks
+
+    def _dummy_batch(self, reqs: list[tuple[list[int], int]]):
+        scheduled = [ScheduledRequest(req_id=f"profile-{i}", token_ids=[0] * n, start_pos=0,
+                                      block_ids=blocks, sample=True, sampling_params=None,
+                                      prompt_token_ids=[], output_token_ids=[])
+                     for i, (blocks, n) in enumerate(reqs)]
+        ids, pos, meta, _ = self.prepare(scheduled)
+        return ids, pos, meta
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = []
+        for layer in self.model.attention_layers():
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.bind(k, v, self.write_fn, self.attend_fn)
+            self.kv_caches.append((k, v))
+
+    # ---- one step ---------------------------------------------------------------------
+
+    def prepare(self, scheduled: list[ScheduledRequest]):
+        """Flatten a step: (input_ids, positions, AttentionMetadata, sample row indices)."""
+        bs = self.block_size
+        ids, pos, slots, seq_lens, qsl, sample_rows = [], [], [], [], [0], []
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        tables = []
+        for s in scheduled:
+            n = len(s.token_ids)
+            end = s.start_pos + n
+            if end > len(s.block_ids) * bs:
+                raise ValueError(f"block_ids: request {s.req_id} needs {math.ceil(end / bs)} blocks "
+                                 f"for {end} tokens, has {len(s.block_ids)}")
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, end))
+            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(s.start_pos, end))
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + n)
+            tables.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
+            if s.sample:
+                sample_rows.append(qsl[-1] - 1)
+
+        def dev(x, dtype):
+            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(slot_mapping=dev(slots, torch.int64),
+                                 block_tables=dev(tables, torch.int32),
+                                 seq_lens=dev(seq_lens, torch.int32),
+                                 query_start_loc=dev(qsl, torch.int32))
+        return dev(ids, torch.int64), dev(pos, torch.int64), meta, sample_rows
+
+    @torch.inference_mode()
+    def forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """Run the model over a step (writing its KV); fp32 logits [num sampling requests, V]."""
+        ids, pos, meta, sample_rows = self.prepare(scheduled)
+        hidden = self.model(ids, pos, meta)
+        return self.model.compute_logits(hidden[sample_rows])
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in out.finished_req_ids:
+            gen = self.generators.pop(rid, None)
+            if gen is not None:
+                self._parked[rid] = gen
+                while len(self._parked) > _PARKED_GENERATORS:
+                    self._parked.popitem(last=False)
+        if not out.scheduled:
+            return ModelRunnerOutput(sampled_token_ids={})
+        logits = self.forward(out.scheduled)
+        samplers = [s for s in out.scheduled if s.sample]
+        if not samplers:
+            return ModelRunnerOutput(sampled_token_ids={})
+        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
+                            self._generator(s)) for s in samplers]
+        tokens, logprobs = self.sampler(logits, rows)
+        result = ModelRunnerOutput(sampled_token_ids={s.req_id: t for s, t in zip(samplers, tokens)})
+        for s, lp in zip(samplers, logprobs):
+            if lp is not None:
+                result.logprobs[s.req_id] = lp
+        return result
+
+    def _generator(self, s: ScheduledRequest):
+        """The caller's generator if it passed one, else ours, seeded when the request is first seen."""
+        if s.generator is not None:
+            return s.generator
+        if s.sampling_params.seed is None:
+            return None
+        gen = self.generators.get(s.req_id)
+        if gen is None:
+            parked = self._parked.pop(s.req_id, None)
+            # A recompute (it has outputs already) continues its stream; a new request reseeds.
+            gen = parked if parked is not None and s.output_token_ids else \
+                torch.Generator(device=self.device).manual_seed(s.sampling_params.seed)
+            self.generators[s.req_id] = gen
+        return gen

@@ -1,0 +1,190 @@
+"""Native Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat, paged batch.
+
+One implementation with the family differences as flags read from the HF config: q/k/v bias
+(Qwen2, or attention_bias), per-head q/k RMSNorm (Qwen3), explicit head_dim, tied embeddings,
+and rope_theta / rope scaling (default, linear, llama3). Inputs are flat token rows [T] with
+their positions; attention goes through the paged KV cache (gpu_worker.attention).
+
+q/k/v and gate/up are fused into one matmul each; the loader stacks the HF weights to match.
+Arithmetic mirrors transformers' (fp32 RMSNorm variance, rope tables in fp32 cast to the
+activation dtype) so that the CPU fp32 path reproduces it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.attention import AttentionMetadata, PagedAttention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_parameters(hf_config) -> dict:
+    """rope_type / rope_theta / scaling fields, from transformers 5's rope_parameters or the older
+    rope_theta + rope_scaling pair."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    base = float(params.get("rope_theta", 10000.0))
+    # On the CPU explicitly: the model may be built under a meta-device context.
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (base ** (steps / head_dim))
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(params["factor"])
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with a cos/sin table indexed by position, built per device."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict):
+        super().__init__()
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.inv_freq = rope_inv_freq(head_dim, params)
+        self._table = None
+
+    def table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._table is None or self._table[0].device != device:
+            pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+            freqs = torch.outer(pos, self.inv_freq.to(device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._table = (emb.cos(), emb.sin())
+        return self._table
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq, D], k [T, Hkv, D] rotated by their token's position."""
+        cos, sin = self.table(q.device)
+        cos = cos[positions].unsqueeze(1).to(q.dtype)
+        sin = sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bool(getattr(cfg, "attention_bias", False)))
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act: only silu is supported (got {cfg.hidden_act!r})")
+        self.intermediate = cfg.intermediate_size
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, h, meta):
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(ids, positions, meta) -> hidden [T, H]; compute_logits(hidden rows) -> fp32 logits."""
+
+    # Fused parameter -> the HF parameters stacked into it, in order (dim 0).
+    stacked_params = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        num_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
