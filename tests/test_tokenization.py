@@ -116,3 +116,15 @@ def test_template_raise_exception_becomes_value_error(tmp_path):
     with pytest.raises(ValueError, match="messages.*first must be user"):
         tok.encode_chat([{"role": "system", "content": "x"}])
     assert tok.encode_chat([{"role": "user", "content": "fox"}]) == tok.encode_text("fox")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tiny_model_tokenizer_matches_hf(tiny_model_factory, family):
+    d = tiny_model_factory(family)
+    hf = transformers.AutoTokenizer.from_pretrained(d)
+    ours = PromptTokenizer.from_dir(d)
+    for text in TEXTS:
+        assert ours.encode_text(text) == hf.encode(text), text
+    for msgs in MESSAGES:
+        want = hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+        assert ours.encode_chat(msgs) == list(want)
