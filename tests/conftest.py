@@ -8,4 +8,6 @@ pytest_plugins = [
     "tests.plugins.kernels",
     "tests.plugins.models",
     "tests.plugins.servers",
+    "tests.plugins.redis",
+    "tests.plugins.cluster",
 ]

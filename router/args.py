@@ -1,0 +1,32 @@
+"""Command-line flags of `python -m router` / `pagoda router` (light: imports nothing heavy)."""
+from __future__ import annotations
+
+import argparse
+
+from router.scoring import POLICIES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagoda router",
+                                description="Prefix-aware gRPC router in front of pagoda GPU workers.")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50050)
+    p.add_argument("--metrics-port", type=int, default=9101, help="Prometheus port; 0 = off")
+    p.add_argument("--redis-url", required=True, help="redis://[:password@]host:port/db "
+                   "(REDIS_PASSWORD is used when the URL has none)")
+    p.add_argument("--policy", choices=POLICIES, default="prefix_aware")
+    p.add_argument("--index-max-blocks", type=_positive, default=1_000_000,
+                   help="bound on block hashes held in memory (least recently used go first)")
+    p.add_argument("--speculative-ttl", type=float, default=10.0,
+                   help="seconds a routed prefix counts as cached before its worker reports it")
+    p.add_argument("--max-attempts", type=_positive, default=3,
+                   help="workers tried for one request before the first token")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {n})")
+    return n

@@ -1,0 +1,209 @@
+"""The router's view of the cluster, kept current from Redis by one background task.
+
+Leases are polled (SCAN + MGET) for workers, their models and load; each model's event stream
+is tailed with XREAD. A worker is (re)synchronised from its snapshot key plus the stream entries
+after it whenever the router has no in-order history for it: a new worker or epoch, a gap in
+its batch sequence, or a Redis reconnect. Routing decisions read only this memory.
+
+When Redis is unreachable the last known state stays in use (workers are not expired on
+missing leases until Redis has been back for a lease period), and the task reconnects with
+backoff.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from protos import redis_schema as rs
+from router.index import BlockIndex
+from router.scoring import WorkerState
+
+log = logging.getLogger(__name__)
+_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class Cluster:
+    def __init__(self, redis_url: str, index: BlockIndex, lease_poll_s: float = 0.25,
+                 resync_retry_s: float = 1.0, reconnect_grace_s: float = 4.0):
+        self.redis_url, self.index = redis_url, index
+        self.lease_poll_s, self.resync_retry_s, self.reconnect_grace_s = lease_poll_s, resync_retry_s, reconnect_grace_s
+        self.workers: dict[str, WorkerState] = {}
+        self.cursors: dict[str, str] = {}        # model -> last stream id read
+        self.connected = False
+        self.on_worker_gone = lambda worker_id: None
+        self._epochs: dict[str, int] = {}       # highest epoch seen per worker id (fencing)
+        self._keep_until = 0.0                  # no expiry on missing leases before this
+        self._redis = None
+        self._task: asyncio.Task | None = None
+        self._synced = asyncio.Event()
+
+    def live(self, model: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.lease.model == model]
+
+    def models(self) -> list[str]:
+        return sorted({w.lease.model for w in self.workers.values()})
+
+    async def start(self) -> None:
+        self._redis = aioredis.from_url(
+            self.redis_url, password=rs.redis_password(self.redis_url), socket_timeout=2.0,
+            socket_connect_timeout=1.0, retry=None, health_check_interval=0)
+        self._task = asyncio.create_task(self._run(), name="cluster-sync")
+
+    async def wait_synced(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._synced.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    async def _run(self) -> None:
+        backoff, next_poll = 0.05, 0.0
+        while True:
+            try:
+                if not self.connected:
+                    await self._redis.ping()
+                    log.info("router: connected to redis at %s", self.redis_url)
+                    self.connected, backoff = True, 0.05
+                    self._keep_until = time.monotonic() + self.reconnect_grace_s if self.workers else 0.0
+                    for w in self.workers.values():
+                        w.seq, w.next_resync = None, 0.0
+                now = time.monotonic()
+                if now >= next_poll:
+                    await self._poll_leases()
+                    await self._resync_due()
+                    self.index.expire_speculation()
+                    next_poll = now + self.lease_poll_s
+                    self._synced.set()
+                await self._read_streams(block_ms=int(self.lease_poll_s * 1000))
+            except asyncio.CancelledError:
+                raise
+            except _ERRORS as e:
+                if self.connected or backoff == 0.05:
+                    log.warning("router: redis unavailable (%s); routing on last known state", e)
+                self.connected = False
+                await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+                backoff = min(backoff * 2, 2.0)
+
+    async def _poll_leases(self) -> None:
+        keys = [k async for k in self._redis.scan_iter(match=rs.LEASE_PATTERN, count=1000)]
+        values = await self._redis.mget(keys) if keys else []
+        seen = set()
+        for raw in values:
+            if raw is None:
+                continue
+            try:
+                lease = rs.Lease.decode(raw)
+            except ValueError as e:
+                log.warning("router: ignoring %s", e)
+                continue
+            if lease.epoch < self._epochs.get(lease.worker_id, 0):
+                continue                     # a fenced-off older process
+            seen.add(lease.worker_id)
+            self._upsert(lease)
+        if time.monotonic() >= self._keep_until:
+            for wid in [w for w in self.workers if w not in seen]:
+                log.info("router: worker %s left (lease expired)", wid)
+                self._drop(wid)
+        for model in {w.lease.model for w in self.workers.values()} - set(self.cursors):
+            last = await self._redis.xrevrange(rs.events_key(model), count=1)
+            self.cursors[model] = rs._text(last[0][0]) if last else "0-0"
+
+    def _upsert(self, lease: rs.Lease) -> None:
+        w = self.workers.get(lease.worker_id)
+        if w is not None and w.lease.epoch == lease.epoch:
+            w.on_heartbeat(lease)
+            return
+        if w is not None:
+            log.info("router: worker %s restarted (epoch %d -> %d)", lease.worker_id, w.lease.epoch, lease.epoch)
+            self._drop(lease.worker_id)
+        else:
+            log.info("router: worker %s joined (%s, model %s)", lease.worker_id, lease.address, lease.model)
+        self._epochs[lease.worker_id] = lease.epoch
+        self.workers[lease.worker_id] = WorkerState(lease)
+
+    def _drop(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
+        self.index.drop_worker(worker_id)
+        self.on_worker_gone(worker_id)
+
+    async def _resync_due(self) -> None:
+        now = time.monotonic()
+        for w in list(self.workers.values()):
+            if w.seq is None and now >= w.next_resync and w.lease.model in self.cursors:
+                w.next_resync = now + self.resync_retry_s
+                await self._resync(w)
+
+    async def _resync(self, w: WorkerState) -> None:
+        raw = await self._redis.get(rs.snapshot_key(w.id))
+        if raw is None:
+            return                              # keep what we have; retry later
+        snap = rs.Snapshot.decode(raw)
+        if snap.epoch != w.lease.epoch or self.workers.get(w.id) is not w:
+            return
+        self.index.replace_worker(w.id, snap.hashes)
+        w.seq = snap.seq
+        key, cursor = rs.events_key(w.lease.model), self.cursors[w.lease.model]
+        start = "-" if snap.stream_id == "0-0" else "(" + snap.stream_id
+        if rs.stream_id_tuple(snap.stream_id) >= rs.stream_id_tuple(cursor):
+            return                              # the tail will bring everything after it
+        while True:
+            entries = await self._redis.xrange(key, min=start, max=cursor, count=1000)
+            for sid, fields in entries:
+                self._apply(fields, only=w.id)
+            if len(entries) < 1000:
+                break
+            start = "(" + rs._text(entries[-1][0])
+        log.info("router: synced worker %s: %d blocks", w.id, self.index.blocks_of(w.id))
+
+    async def _read_streams(self, block_ms: int) -> None:
+        if not self.cursors:
+            await asyncio.sleep(block_ms / 1000)
+            return
+        keys = {rs.events_key(m): m for m in self.cursors}
+        reply = await self._redis.xread({k: self.cursors[m] for k, m in keys.items()},
+                                        count=1000, block=block_ms)
+        for stream, entries in _stream_items(reply):
+            model = keys[rs._text(stream)]
+            for sid, fields in entries:
+                self._apply(fields)
+                self.cursors[model] = rs._text(sid)
+
+    def _apply(self, fields: dict, only: str | None = None) -> None:
+        try:
+            batch = rs.EventBatch.from_fields(fields)
+        except ValueError as e:
+            log.warning("router: ignoring %s", e)
+            return
+        w = self.workers.get(batch.worker_id)
+        if w is None or batch.epoch != w.lease.epoch or (only and batch.worker_id != only):
+            return                              # unknown yet: its resync will replay this entry
+        if w.seq is not None and batch.seq <= w.seq:
+            return                              # already in the snapshot
+        self.index.apply(w.id, batch.events)
+        if w.seq is not None and batch.seq == w.seq + 1:
+            w.seq = batch.seq
+        elif w.seq is not None:
+            log.info("router: worker %s event gap (%d -> %d); resyncing", w.id, w.seq, batch.seq)
+            w.seq, w.next_resync = None, 0.0
+
+
+def _stream_items(reply):
+    # RESP2 answers a list of [stream, entries]; RESP3 a dict.
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return [(k, v[0] if v and isinstance(v[0], list) and v and not isinstance(v[0][0], (bytes, str)) else v)
+                for k, v in reply.items()]
+    return reply

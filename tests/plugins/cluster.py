@@ -1,0 +1,268 @@
+"""Router test rig: real routers and light stand-in workers as processes, on a real Redis.
+
+A stand-in worker (`python -m tests.plugins.cluster ...`) is a real gRPC Generation server whose
+engine is a bounded LRU prefix cache with no model: it reports the cached prompt tokens it really
+found, publishes through the real gpu_worker.publisher.Publisher, and streams `max_tokens` dummy
+tokens with a configurable delay. It starts in a fraction of a second and needs no torch, so
+routing, failover and Redis outages can be tested fast; the full-model end-to-end tests use
+real workers (tests/plugins/servers.py).
+
+Fixtures: start_fake_worker(redis_url, model="m", **opts) and start_router(redis_url, **flags),
+each returning a Proc (address, metrics(), kill()); everything is killed at teardown.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import OrderedDict
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_LISTEN = re.compile(r"listening on [^\s]+:(\d+)")
+
+
+# -- the stand-in worker ----------------------------------------------------------------------
+
+def word_tokenizer_json() -> str:
+    """A word-level tokenizer: one id per lowercase letter word a..z plus unknown."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"[UNK]": 0, **{chr(97 + i) * k: 1 + i * 4 + k - 1 for i in range(26) for k in range(1, 5)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok.to_str()
+
+
+class FakeEngine:
+    """A prefix cache of `num_blocks` blocks (LRU) with the engine's publisher-facing methods."""
+
+    def __init__(self, model: str, block_size: int = 16, num_blocks: int = 4096):
+        self.model_name, self.block_size, self.num_blocks = model, block_size, num_blocks
+        self.cache: OrderedDict[bytes, None] = OrderedDict()
+        self.events: list[tuple[str, bytes]] = []
+        self.lock = threading.Lock()
+        self.running = self.queued = 0
+
+    def admit(self, token_ids: list[int], adapter: str, salt: str) -> int:
+        from protos.block_hash import block_hashes, namespace_root
+        hashes = block_hashes(token_ids, self.block_size, namespace_root(self.model_name, adapter, salt))
+        with self.lock:
+            hit = 0
+            while hit < len(hashes) and hashes[hit] in self.cache:
+                hit += 1
+            for h in hashes:
+                if h in self.cache:
+                    self.cache.move_to_end(h)
+                else:
+                    self.cache[h] = None
+                    self.events.append(("stored", h))
+            while len(self.cache) > self.num_blocks:
+                old, _ = self.cache.popitem(last=False)
+                self.events.append(("removed", old))
+        return min(hit * self.block_size, len(token_ids) - 1)
+
+    def take_kv_events(self):
+        with self.lock:
+            out, self.events = self.events, []
+        return out
+
+    def cached_block_hashes(self):
+        with self.lock:
+            return list(self.cache)
+
+    def stats(self):
+        used = min(self.running * 4, self.num_blocks)
+        return SimpleNamespace(running=self.running, waiting=0, queued_prefill_tokens=self.queued,
+                               num_blocks=self.num_blocks, free_blocks=self.num_blocks - used,
+                               kv_usage=used / self.num_blocks)
+
+
+def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_json: str):
+    import grpc
+
+    from protos.pagoda.v1 import pagoda_pb2 as pb
+    from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+
+    class Servicer(pb_grpc.GenerationServicer):
+        async def Generate(self, request, context):
+            if not request.token_ids:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: stand-in takes ids only")
+            if request.model != engine.model_name:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: not served here ({request.model!r})")
+            ids = list(request.token_ids)
+            engine.running += 1
+            engine.queued += len(ids)
+            try:
+                await asyncio.sleep(token_delay)
+                cached = engine.admit(ids, request.adapter, request.cache_salt)
+                engine.queued -= len(ids)
+                n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 4
+                for i in range(n):
+                    last = i == n - 1
+                    resp = pb.GenerateResponse(request_id=request.request_id, token_ids=[i], text="x",
+                                               finished=last, worker_id=worker_id)
+                    if last:
+                        resp.finish_reason = pb.FINISH_REASON_LENGTH
+                        resp.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=n,
+                                                     cached_prompt_tokens=cached))
+                    yield resp
+                    if not last:
+                        await asyncio.sleep(token_delay)
+            finally:
+                engine.running -= 1
+
+        async def GetModelInfo(self, request, context):
+            return pb.ModelInfoResponse(model=engine.model_name, block_size=engine.block_size,
+                                        max_model_len=4096, vocab_size=105, tokenizer_json=tokenizer_json,
+                                        tokenizer_config_json=json.dumps({"add_bos_token": False}),
+                                        worker_id=worker_id)
+
+    return Servicer()
+
+
+async def _serve_fake(a) -> None:
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from gpu_worker.publisher import Publisher
+    from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+
+    engine = FakeEngine(a.model, a.block_size, a.num_blocks)
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(_servicer(engine, a.worker_id, a.token_delay, word_tokenizer_json()),
+                                             server)
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    port = server.add_insecure_port(f"127.0.0.1:{a.port}")
+    await server.start()
+    await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+    pub = Publisher(a.redis_url, a.worker_id, a.model, f"127.0.0.1:{port}", engine,
+                    heartbeat_s=a.heartbeat, snapshot_s=a.snapshot)
+    await pub.start()
+    print(f"fake worker {a.worker_id} listening on 127.0.0.1:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await pub.stop()
+    await server.stop(1)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--model", default="m")
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--token-delay", type=float, default=0.005)
+    p.add_argument("--heartbeat", type=float, default=0.5)
+    p.add_argument("--snapshot", type=float, default=5.0)
+    asyncio.run(_serve_fake(p.parse_args(argv)))
+
+
+# -- process handles and fixtures -------------------------------------------------------------
+
+class Proc:
+    def __init__(self, proc: subprocess.Popen, log_path: Path, metrics_port: int = 0):
+        self.proc, self.log_path, self.metrics_port = proc, log_path, metrics_port
+        self.address = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_listening(self, timeout: float) -> "Proc":
+        deadline = time.monotonic() + timeout
+        while self.address is None:
+            m = _LISTEN.search(self.log())
+            if m:
+                self.address = f"127.0.0.1:{m.group(1)}"
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"process did not start (rc {self.proc.poll()}):\n{self.log()[-3000:]}")
+            else:
+                time.sleep(0.05)
+        return self
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus text -> {'name{labels}': value}."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+        if sig == signal.SIGKILL:
+            self.proc.wait()
+
+    def terminate(self, timeout: float = 10.0) -> None:
+        self.kill(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def _spawn(args: list[str], log_dir: Path, name: str, procs: list, metrics_port: int = 0) -> Proc:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = Proc(p, log_path, metrics_port)
+    procs.append(proc)
+    return proc.wait_listening(30.0)
+
+
+@pytest.fixture
+def cluster_procs(tmp_path):
+    procs: list[Proc] = []
+    yield procs
+    for p in procs:
+        p.kill()
+
+
+@pytest.fixture
+def start_fake_worker(cluster_procs, tmp_path):
+    def start(redis_url: str, worker_id: str, model: str = "m", **opts) -> Proc:
+        args = ["-m", "tests.plugins.cluster", "--redis-url", redis_url, "--worker-id", worker_id, "--model", model]
+        for k, v in opts.items():
+            args += ["--" + k.replace("_", "-"), str(v)]
+        return _spawn(args, tmp_path, worker_id, cluster_procs)
+    return start
+
+
+@pytest.fixture
+def start_router(cluster_procs, tmp_path):
+    def start(redis_url: str, **flags) -> Proc:
+        from clients.up import free_port
+        metrics_port = free_port()
+        args = ["-m", "router", "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_url,
+                "--metrics-port", str(metrics_port)]
+        for k, v in flags.items():
+            args += ["--" + k.replace("_", "-"), str(v)]
+        return _spawn(args, tmp_path, "router", cluster_procs, metrics_port)
+    return start
+
+
+if __name__ == "__main__":
+    main()
