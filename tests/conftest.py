@@ -10,4 +10,5 @@ pytest_plugins = [
     "tests.plugins.servers",
     "tests.plugins.redis",
     "tests.plugins.cluster",
+    "tests.plugins.engine",
 ]

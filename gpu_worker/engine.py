@@ -1,0 +1,214 @@
+"""The synchronous engine: validates and queues requests, runs scheduler -> model -> outputs
+one step at a time, and turns sampled tokens into stream deltas (stops, detokenization).
+
+Both the offline LLM and the asyncio AsyncLLM drive one of these; it is not thread-safe.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from typing import Iterable, Optional
+
+from gpu_worker.config import EngineConfig
+from gpu_worker.detokenizer import Detokenizer
+from gpu_worker.kv_cache_manager import KVCacheManager, cdiv
+from gpu_worker.outputs import EngineStats, ModelRunnerOutput, StreamDelta
+from gpu_worker.request import Request, RequestStatus
+from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.scheduler import Scheduler
+from protos.block_hash import namespace_root
+
+logger = logging.getLogger(__name__)
+
+# Every engine ever built, so tests can check that none leaks blocks.
+live_engines: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
+
+
+def default_max_num_batched_tokens(max_model_len: int) -> int:
+    return min(max(2048, max_model_len), 8192)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from gpu_worker.model_runner import ModelRunner
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = self.runner.tokenizer
+        self.model_name = config.served_model_name
+        self.vocab_size = self.runner.vocab_size
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = list(self.runner.eos_token_ids)
+        self.block_size = config.block_size
+        self.num_blocks = self.runner.num_blocks_for()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self.max_num_batched_tokens = (config.max_num_batched_tokens
+                                       or default_max_num_batched_tokens(self.max_model_len))
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
+                                   config.scheduling_policy)
+        self.detokenizers: dict[str, Detokenizer] = {}
+        self.children: dict[str, list[Request]] = {}    # caller id -> its live sequences
+        self.pending: list[StreamDelta] = []            # abort notices for the next step
+        self.generation_tokens = 0
+        self._serial = itertools.count()
+        live_engines.add(self)
+        capacity = self.num_blocks * self.block_size
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens; max concurrency at "
+                    "max_model_len=%d: %.2f requests; token budget per step %d",
+                    self.num_blocks, self.block_size, capacity, self.max_model_len,
+                    capacity / self.max_model_len, self.max_num_batched_tokens)
+
+    # ---- requests in -------------------------------------------------------------------
+
+    def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                         priority: int = 0, cache_salt: str = "", adapter: str = "",
+                         check_id: bool = True) -> None:
+        """Raise ValueError naming the bad field; touches no state. Without check_id it reads
+        nothing that changes, so AsyncLLM can call it from the event loop's thread."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if check_id and request_id in self.children:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: must be a SamplingParams")
+        ids = prompt_token_ids
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError("prompt_token_ids: the prompt must contain at least one token")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt_token_ids: the prompt has {len(ids)} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        params.validate(self.vocab_size)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: must be an integer (got {priority!r})")
+        if not isinstance(cache_salt, str):
+            raise ValueError("cache_salt: must be a string")
+        if adapter:
+            raise ValueError(f"adapter: this worker serves no adapters (got {adapter!r})")
+        # The last sampled token is never written to the cache, hence the - 1.
+        final_len = min(len(ids) + params.max_tokens, max(self.max_model_len, len(ids) + 1)) - 1
+        if cdiv(len(ids), self.block_size) > self.num_blocks:
+            raise ValueError(f"prompt_token_ids: the prompt needs {cdiv(len(ids), self.block_size)} "
+                             f"KV blocks but the pool has {self.num_blocks}")
+        if cdiv(final_len, self.block_size) > self.num_blocks:
+            raise ValueError(f"max_tokens: prompt plus max_tokens needs {cdiv(final_len, self.block_size)} "
+                             f"KV blocks but the pool has {self.num_blocks}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str = "", adapter: str = "",
+                    prompt: Optional[str] = None) -> None:
+        self.validate_request(request_id, prompt_token_ids, params, priority, cache_salt, adapter)
+        root = namespace_root(self.model_name, adapter, cache_salt)
+        serial = next(self._serial)
+        seqs = []
+        for i in range(params.n):
+            # A serial in the internal id keeps a reused caller id apart from the runner's
+            # state for the previous request of that name.
+            req = Request(f"{request_id}#{i}.{serial}", prompt_token_ids, params, self.block_size,
+                          root, priority=priority, parent_id=request_id, index=i)
+            if params.seed is not None:
+                req.generator = self._generator(params.seed + i)
+            self.detokenizers[req.req_id] = Detokenizer(
+                self.tokenizer, req.prompt_token_ids, params.stop,
+                params.include_stop_str_in_output, params.skip_special_tokens)
+            seqs.append(req)
+        self.children[request_id] = seqs
+        # Children go in in order: the first one's prompt blocks become cache hits for the rest.
+        for req in seqs:
+            self.scheduler.add_request(req)
+
+    def _generator(self, seed: int):
+        import torch
+        return torch.Generator(device=self.runner.device).manual_seed(seed)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            seqs = self.children.pop(rid, [])
+            self.scheduler.finish_requests([r.req_id for r in seqs], RequestStatus.FINISHED_ABORTED)
+            for req in seqs:
+                self.pending.append(self._delta(req, [], self.detokenizers.pop(req.req_id).take_delta(True)))
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.pending)
+
+    def step(self) -> list[StreamDelta]:
+        deltas, self.pending = self.pending, []
+        if not self.scheduler.has_unfinished():
+            return deltas
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            # Nothing fits this step; the runner hears about departures next time.
+            self.scheduler.finished_req_ids |= out.finished_req_ids
+            return deltas
+        result: ModelRunnerOutput = self.runner.execute(out)
+        for req in self.scheduler.update_from_output(out, result):
+            deltas.append(self._on_token(req))
+        return deltas
+
+    def _on_token(self, req: Request) -> StreamDelta:
+        token = req.output_token_ids[-1]
+        p = req.params
+        detok = self.detokenizers[req.req_id]
+        self.generation_tokens += 1
+        status = None
+        may_stop = req.num_output_tokens >= p.min_tokens
+        if may_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = token if token in p.stop_token_ids else None
+        else:
+            stop_str = detok.add_token(token, check_stop=may_stop)
+            if stop_str is not None:
+                status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = stop_str
+        if status is None and (req.num_output_tokens >= p.max_tokens
+                               or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            detok.flush()
+            self._finish(req, status)
+        logprobs = [req.logprobs[-1]] if p.logprobs is not None and req.logprobs else None
+        return self._delta(req, [token], detok.take_delta(status is not None), logprobs)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish_requests([req.req_id], status)
+        del self.detokenizers[req.req_id]
+        seqs = self.children.get(req.parent_id)
+        if seqs is not None:
+            seqs.remove(req)
+            if not seqs:
+                del self.children[req.parent_id]
+
+    def _delta(self, req: Request, token_ids: list[int], text: str,
+               logprobs=None) -> StreamDelta:
+        return StreamDelta(
+            request_id=req.parent_id, index=req.index, token_ids=token_ids, text=text,
+            logprobs=logprobs, finished=req.is_finished, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(0, req.num_cached_tokens), num_output_tokens=req.num_output_tokens)
+
+    # ---- introspection -----------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        free = self.kv.pool.num_free_blocks()
+        return EngineStats(
+            running=len(s.running), waiting=s.num_waiting(),
+            queued_prefill_tokens=s.queued_prefill_tokens(), num_blocks=self.num_blocks,
+            free_blocks=free, kv_usage=1.0 - free / self.num_blocks,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            preemptions=s.num_preemptions, prompt_tokens=s.num_prompt_tokens,
+            generation_tokens=self.generation_tokens)
+
+    def take_kv_events(self) -> list[tuple[str, bytes]]:
+        return self.kv.pool.take_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return self.kv.pool.cached_hashes()

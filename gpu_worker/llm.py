@@ -1,0 +1,77 @@
+"""Offline batch generation: LLM(model=...).generate(prompts, params) -> RequestOutputs."""
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence
+
+from gpu_worker.config import EngineConfig
+from gpu_worker.engine import LLMEngine
+from gpu_worker.outputs import CompletionOutput, RequestOutput
+from gpu_worker.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, device: str = "cpu", block_size: int = 16,
+                 num_kv_blocks: Optional[int] = None, kv_cache_memory=None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
+                 enable_prefix_caching: bool = True, **kwargs):
+        config = EngineConfig(
+            model=model, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, **kwargs)
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of `prompts`."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        outputs: dict[str, RequestOutput] = {}
+        added = []
+        try:
+            for prompt, p in zip(prompts, params):
+                text = prompt if isinstance(prompt, str) else None
+                ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, ids, p, prompt=text)
+                added.append(rid)
+                outputs[rid] = RequestOutput(
+                    request_id=rid, prompt=text, prompt_token_ids=ids, finished=False,
+                    outputs=[CompletionOutput(index=i, text="", token_ids=[],
+                                              logprobs=[] if p.logprobs is not None else None)
+                             for i in range(p.n)])
+            self._run(outputs)
+        except BaseException:
+            # Leave the engine clean for the next call.
+            self.engine.abort_request([r for r in added if not outputs[r].finished])
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return [outputs[r] for r in added]
+
+    def _run(self, outputs: dict[str, RequestOutput]) -> None:
+        left = sum(len(o.outputs) for o in outputs.values())
+        while left:
+            for d in self.engine.step():
+                ro = outputs[d.request_id]
+                c = ro.outputs[d.index]
+                c.token_ids.extend(d.token_ids)
+                c.text += d.text
+                if d.logprobs and c.logprobs is not None:
+                    c.logprobs.extend(d.logprobs)
+                if d.index == 0:
+                    ro.num_cached_tokens = d.num_cached_tokens
+                if d.finished:
+                    c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+                    left -= 1
+                    ro.finished = all(x.finish_reason for x in ro.outputs)
