@@ -61,7 +61,7 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request elsewhere")
         try:
-            ids = self._prompt_ids(request)
+            field, ids = self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
         except (_Invalid, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -69,12 +69,12 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         task = asyncio.current_task()
         self.active.add(task)
         try:
-            async for resp in self._stream(rid, ids, params, request, context):
+            async for resp in self._stream(rid, field, ids, params, request, context):
                 yield resp
         finally:
             self.active.discard(task)
 
-    async def _stream(self, rid, ids, params, request, context):
+    async def _stream(self, rid, field, ids, params, request, context):
         from gpu_worker.async_llm import QueueFullError
         t0 = time.monotonic()
         last: dict[int, float] = {}                # per sequence: when its last token went out
@@ -89,14 +89,19 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         except ValueError as e:
             if started:
                 raise
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            # The engine names its own argument; the caller knows the request field it filled.
+            msg = str(e)
+            if msg.startswith("prompt_token_ids:"):
+                msg = field + msg[len("prompt_token_ids"):]
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
         except QueueFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e) or "waiting queue is full")
         finally:
             # Closing the engine stream is what aborts the request when the call was cancelled.
             await stream.aclose()
 
-    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+    def _prompt_ids(self, request: pb.GenerateRequest) -> tuple[str, list[int]]:
+        """(the request field that carried the prompt, its token ids)."""
         if request.model and request.model != self.model_name:
             raise _Invalid(f"model: unknown model {request.model!r}; this worker serves {self.model_name!r}")
         if len(request.request_id) > MAX_REQUEST_ID_LEN:
@@ -110,12 +115,12 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         if given[0] == "text":
             if not request.text:
                 raise _Invalid("text: the prompt is empty")
-            return self.tokenizer.encode_text(request.text)
+            return "text", self.tokenizer.encode_text(request.text)
         if given[0] == "messages":
             agp = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-            return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages],
+            return "messages", self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages],
                                               add_generation_prompt=agp)
-        return list(request.token_ids)
+        return "token_ids", list(request.token_ids)
 
     def _observe(self, delta, t0: float, last: dict[int, float]) -> None:
         if self.metrics is None:
@@ -172,7 +177,7 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         if request.HasField("add_generation_prompt"):
             req.add_generation_prompt = request.add_generation_prompt
         try:
-            return pb.TokenizeResponse(token_ids=self._prompt_ids(req))
+            return pb.TokenizeResponse(token_ids=self._prompt_ids(req)[1])
         except (_Invalid, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
