@@ -11,4 +11,5 @@ pytest_plugins = [
     "tests.plugins.redis",
     "tests.plugins.cluster",
     "tests.plugins.engine",
+    "tests.plugins.helm",
 ]

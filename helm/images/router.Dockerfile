@@ -1,0 +1,31 @@
+# syntax=docker/dockerfile:1
+# The pagoda router image: the base package only (gRPC, Redis, tokenizers; no torch, no GPU stack).
+# Build from the repository root:
+#   docker build -f helm/images/router.Dockerfile -t ghcr.io/pagoda-llm/pagoda-router:0.1.0 .
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+FROM ${PYTHON_IMAGE}
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/tmp
+
+# The chart runs every pagoda pod as this uid/gid (values: securityContext).
+RUN groupadd --gid 10001 pagoda \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pagoda
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY protos ./protos
+COPY router ./router
+COPY clients ./clients
+# `pip install .` is the base install: its dependencies carry no torch. The check keeps it so.
+RUN pip install --no-cache-dir . \
+ && python -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch in the router image'" \
+ && python -c "import router.server, clients.cli" \
+ && cd / && rm -rf /src
+
+WORKDIR /
+USER 10001:10001
+EXPOSE 50050 9101
+ENTRYPOINT ["pagoda", "router"]
