@@ -1,4 +1,4 @@
-"""Fixtures for the Helm chart tests: offline rendering with helm-python-sdk, manifests as dicts."""
+"""Helpers and shared value sets for the Helm chart tests: offline rendering with helm-python-sdk."""
 from __future__ import annotations
 
 import copy
@@ -14,6 +14,45 @@ RELEASE, NAMESPACE = "rel", "ns"
 
 def example_values(name: str) -> dict:
     return yaml.safe_load((CHART / "examples" / f"{name}.yaml").read_text())
+
+
+# Every optional feature on at once, bundled Redis with a password: the widest render.
+EVERYTHING = {
+    "commonLabels": {"team": "ml"},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "redis": {"mode": "bundled", "passwordSecret": {"name": "redis-auth", "key": "pw"}},
+    "router": {
+        "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5},
+        "pdb": {"enabled": True, "minAvailable": "50%"},
+        "indexMaxBlocks": 200000, "speculativeTtl": 5.5, "maxAttempts": 2,
+        "extraEnv": [{"name": "GRPC_VERBOSITY", "value": "info"}],
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 50, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                               "labelSelector": {"matchLabels": {"a": "b"}}}}]}},
+        "service": {"type": "LoadBalancer", "annotations": {"x": "y"}},
+    },
+    "workerDefaults": {
+        "hfTokenSecret": {"name": "hf", "key": "token"},
+        "pdb": {"enabled": True, "maxUnavailable": 1},
+        "topologySpread": {"enabled": True},
+        "kvCacheMemory": "20GiB", "numKvBlocks": 4096, "maxNumBatchedTokens": 4096, "maxModelLen": 8192,
+        "maxWaiting": 100, "heartbeatInterval": 0.25, "snapshotInterval": 2, "prefixCaching": False,
+        "schedulingPolicy": "priority", "dtype": "bfloat16", "device": "cuda", "blockSize": 32,
+        "nodeSelector": {"gpu": "h100"},
+        "podAnnotations": {"note": "x"},
+    },
+    "workers": [
+        {"name": "a", "replicas": 2, "model": {"source": "pvc", "claimName": "m", "mountPath": "/models",
+                                               "path": "/models/a"}},
+        {"name": "b", "servedModelName": "org/b", "model": {"source": "hostPath", "hostPath": "/data/m",
+                                                             "mountPath": "/models", "path": "/models/b"}},
+        {"name": "c", "gpus": 0, "device": "cpu", "model": {"source": "image", "path": "/opt/c"}},
+    ],
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    "networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {"matchLabels": {"n": "mon"}}}]},
+}
+
+CASES = {"default": None, **{p.stem: example_values(p.stem) for p in EXAMPLES}, "everything": EVERYTHING}
 
 
 def render_raw(values: dict | None = None) -> dict[str, str]:
@@ -58,10 +97,3 @@ def containers(docs: list[dict]):
 
 def component(doc: dict) -> str:
     return doc["metadata"]["labels"].get("app.kubernetes.io/component", "")
-
-
-@pytest.fixture(params=["default"] + [p.stem for p in EXAMPLES])
-def values_case(request) -> tuple[str, dict | None]:
-    """Each shipped value set: the chart defaults and every file in helm/pagoda/examples/."""
-    name = request.param
-    return name, None if name == "default" else example_values(name)
