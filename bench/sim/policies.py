@@ -1,0 +1,103 @@
+"""Routing policies under simulation: the real router, and an oracle.
+
+RouterPolicy is the router process's own objects (BlockIndex, Cluster reading Redis, Scorer,
+RouterService's ranking) with the gRPC proxy cut off: a decision is what Generate does before
+it opens the upstream stream (hash, rank, credit the winner, record its prefix speculatively),
+and the Cluster's sync steps run at simulated-time ticks instead of in its background task.
+
+OraclePolicy sees every simulated worker's exact cache and load at the moment of decision and
+applies the router's own cost formula to them, so the gap between the two is the price of the
+router's delayed, summarised view rather than of a different formula.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import redis.asyncio as aioredis
+
+from protos import redis_schema as rs
+from protos.pagoda.v1 import pagoda_pb2 as pb
+from router.cluster import Cluster
+from router.index import BlockIndex
+from router.metrics import RouterMetrics
+from router.scoring import Scorer, WorkerState
+from router.server import RouterService
+
+from .bus import MODEL
+
+
+class RouterPolicy:
+    def __init__(self, policy: str, redis_url: str, loop: asyncio.AbstractEventLoop, seed: int,
+                 lease_poll_s: float = 0.25, index_max_blocks: int = 1_000_000,
+                 speculative_ttl_s: float = 10.0):
+        self.name, self.loop, self.lease_poll_s = policy, loop, lease_poll_s
+        self.index = BlockIndex(index_max_blocks, speculative_ttl_s)
+        self.cluster = Cluster(redis_url, self.index, lease_poll_s=lease_poll_s)
+        self.cluster._redis = aioredis.from_url(redis_url)
+        self.cluster.connected = True
+        self.scorer = Scorer(policy, self.index, random.Random(seed))
+        self.service = RouterService(self.cluster, self.scorer, RouterMetrics(self.cluster, self.index))
+        self._next_poll = 0.0
+        self._request = pb.GenerateRequest()      # default namespace: no adapter, no salt
+
+    def sync(self, now: float) -> None:
+        self.loop.run_until_complete(self._sync(now))
+
+    async def _sync(self, now: float) -> None:
+        c = self.cluster
+        if now >= self._next_poll:
+            await c._poll_leases()
+            await c._resync_due()
+            self.index.expire_speculation(now)
+            self._next_poll = now + self.lease_poll_s
+        if c.cursors:
+            await c._read_streams(block_ms=None)   # None: XREAD without BLOCK
+
+    def choose(self, req, now: float) -> tuple[int, int, int]:
+        """(worker index, wall ns, this thread's CPU ns) for one decision."""
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        model, workers = self.service._model_and_workers(MODEL)
+        ranked, hashes = self.service._rank(model, workers, self._request, req.prompt)
+        best = ranked[0]
+        best.worker.credit(req.rid, len(req.prompt) - best.cached_tokens, time.time())
+        self.index.speculate(best.worker.id, hashes, now)
+        wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+        return int(best.worker.id.rsplit("-", 1)[1]), wall, cpu
+
+    def on_first_token(self, req) -> None:
+        w = self.cluster.workers.get(f"sim-{req.worker}")
+        if w is not None:
+            w.prefill_done(req.rid)
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.cluster._redis.aclose())
+
+
+class OraclePolicy:
+    name = "oracle"
+
+    def __init__(self, workers, seed: int, block_size: int):
+        self.workers, self.rng, self.block_size = workers, random.Random(seed), block_size
+
+    def sync(self, now: float) -> None:
+        pass
+
+    def choose(self, req, now: float) -> tuple[int, int, int]:
+        best = None
+        for i, w in enumerate(self.workers):
+            st = w.stats()
+            lease = rs.Lease(f"sim-{i}", MODEL, "-", 0, self.block_size, st.num_blocks, st.running, st.waiting,
+                             st.queued_prefill_tokens, st.kv_usage, st.free_blocks)
+            cost = len(req.prompt) - w.cached_prefix_tokens(req) + WorkerState(lease).load_cost()
+            key = (cost, self.rng.random())
+            if best is None or key < best[0]:
+                best = (key, i)
+        return best[1], 0, 0
+
+    def on_first_token(self, req) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

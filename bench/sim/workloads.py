@@ -1,0 +1,126 @@
+"""Synthetic request streams for the routing simulator.
+
+Four shapes of prefix sharing, each a list of first requests with Poisson arrival times:
+- shared_prompts: many system prompts, each request one of them plus a unique user turn;
+- multi_turn: chat sessions whose every turn resends the whole conversation so far
+  (turn k+1 is released a think time after turn k finishes, so it is closed-loop);
+- zipf: a large pool of prefixes drawn with Zipf popularity, a few very hot;
+- no_sharing: every prompt unique, where routing can only balance load.
+Token ids are random; only their equality matters, since blocks are named by hash.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+WORKLOADS = ("shared_prompts", "multi_turn", "zipf", "no_sharing")
+VOCAB = 32000
+_IDS = range(1, VOCAB)
+
+
+@dataclass(eq=False)
+class SimRequest:
+    rid: str
+    arrival: float
+    prompt: list[int]
+    output: list[int]                       # decided up front so that follow-up turns can resend it
+    follow_up: Optional["SimRequest"] = None
+    think: float = 0.0                      # delay between this turn's predecessor finishing and its arrival
+    # Filled in by the simulation.
+    hashes: list[bytes] = field(default_factory=list)
+    worker: int = -1
+    best_hit: int = 0                       # most cached prompt tokens any worker held at decision time
+    hit: int = 0                            # cached prompt tokens found at admission
+    computed: int = 0
+    generated: int = 0
+    owned: list[bytes] = field(default_factory=list)
+    anon: int = 0                           # blocks held that carry no hash (yet)
+    t_first: float = -1.0
+    t_finish: float = -1.0
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return rng.choices(_IDS, k=n)
+
+
+def _zipf_weights(n: int, s: float) -> list[float]:
+    return [1.0 / (i + 1) ** s for i in range(n)]
+
+
+def make_workload(name: str, num_workers: int, num_requests: int, seed: int,
+                  rate_fn) -> list[SimRequest]:
+    """First requests in arrival order. `rate_fn(mean_prompt, mean_output)` gives the
+    cluster's request rate for requests of that mean size (the caller's load target)."""
+    rng = random.Random(seed)
+    if name == "shared_prompts":
+        return _shared(rng, num_workers, num_requests, rate_fn)
+    if name == "multi_turn":
+        return _multi_turn(rng, num_workers, num_requests, rate_fn)
+    if name == "zipf":
+        return _zipf(rng, num_workers, num_requests, rate_fn)
+    if name == "no_sharing":
+        return _unique(rng, num_requests, rate_fn)
+    raise ValueError(f"workload: must be one of {', '.join(WORKLOADS)} (got {name!r})")
+
+
+def _arrivals(rng: random.Random, n: int, rate: float) -> list[float]:
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def _with_prefixes(rng, prefixes, weights, n, rate_fn, suffix=(32, 256), out=(32, 256)):
+    picks = rng.choices(range(len(prefixes)), weights=weights, k=n)
+    mean_p = sum(len(prefixes[i]) for i in picks) / n + sum(suffix) / 2
+    times = _arrivals(rng, n, rate_fn(mean_p, sum(out) / 2))
+    return [SimRequest(f"r{i}", times[i], prefixes[p] + _tokens(rng, rng.randint(*suffix)),
+                       _tokens(rng, rng.randint(*out))) for i, p in enumerate(picks)]
+
+
+def _shared(rng, num_workers, n, rate_fn):
+    # Many prompts (8 per worker), equally popular: the question is whether they spread.
+    prefixes = [_tokens(rng, rng.randint(1024, 2048)) for _ in range(8 * num_workers)]
+    return _with_prefixes(rng, prefixes, None, n, rate_fn)
+
+
+def _zipf(rng, num_workers, n, rate_fn):
+    prefixes = [_tokens(rng, rng.randint(512, 2048)) for _ in range(32 * num_workers)]
+    return _with_prefixes(rng, prefixes, _zipf_weights(len(prefixes), 1.1), n, rate_fn)
+
+
+def _unique(rng, n, rate_fn):
+    times = _arrivals(rng, n, rate_fn(1280, 144))
+    return [SimRequest(f"r{i}", t, _tokens(rng, rng.randint(512, 2048)), _tokens(rng, rng.randint(32, 256)))
+            for i, t in enumerate(times)]
+
+
+def _multi_turn(rng, num_workers, n, rate_fn, turns=(2, 8), think=4.0):
+    # A few system prompts shared by all sessions, then per-session history.
+    systems = [_tokens(rng, rng.randint(256, 1024)) for _ in range(4)]
+    sessions, total = [], 0
+    while total < n:
+        k = min(rng.randint(*turns), n - total)
+        sessions.append(k)
+        total += k
+    firsts, all_reqs = [], []
+    for s, k in enumerate(sessions):
+        history, prev = list(rng.choice(systems)), None
+        for turn in range(k):
+            history += _tokens(rng, rng.randint(32, 256))
+            req = SimRequest(f"s{s}t{turn}", 0.0, list(history), _tokens(rng, rng.randint(64, 256)),
+                             think=rng.expovariate(1.0 / think) if turn else 0.0)
+            history += req.output
+            all_reqs.append(req)
+            if prev is None:
+                firsts.append(req)
+            else:
+                prev.follow_up = req
+            prev = req
+    mean_p = sum(len(r.prompt) for r in all_reqs) / len(all_reqs)
+    session_rate = rate_fn(mean_p, 160) * len(sessions) / len(all_reqs)
+    for req, t in zip(firsts, _arrivals(rng, len(firsts), session_rate)):
+        req.arrival = t
+    return firsts
