@@ -96,6 +96,10 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
         except QueueFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e) or "waiting queue is full")
+        except RuntimeError as e:
+            if started:
+                raise
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
         finally:
             # Closing the engine stream is what aborts the request when the call was cancelled.
             await stream.aclose()
@@ -235,22 +239,23 @@ class Worker:
             self.engine = AsyncLLM(EngineConfig(**worker_args.engine_config_kwargs(a)))
         engine = self.engine
         tokenizer = PromptTokenizer.from_dir(a.model)
-        self.worker_id = a.worker_id or worker_args.default_worker_id(a.port)
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.port = self.server.add_insecure_port(f"{a.host}:{a.port}")
+        if self.port == 0:
+            raise RuntimeError(f"port: cannot bind {a.host}:{a.port}")
+        # After binding, so that --port 0 yields an id (and address) with the real port.
+        self.worker_id = a.worker_id or worker_args.default_worker_id(self.port)
         if a.metrics_port:
             from gpu_worker.metrics import WorkerMetrics
             self.metrics = WorkerMetrics(engine.stats, engine.model_name)
             self.metrics.serve(a.host, a.metrics_port)
         health_servicer = health.aio.HealthServicer()
         self.service = WorkerService(engine, tokenizer, self.worker_id, self.metrics, health_servicer)
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_GenerationServicer_to_server(self.service, self.server)
         pb_grpc.add_AdminServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in ("Generation", "Admin")]
         reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{a.host}:{a.port}")
-        if self.port == 0:
-            raise RuntimeError(f"port: cannot bind {a.host}:{a.port}")
         await self.server.start()
         for name in [""] + names:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

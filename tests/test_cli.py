@@ -44,8 +44,8 @@ def test_generate_unreachable_target_fails_cleanly():
 
 
 @pytest.mark.slow
-def test_generate_text_and_json_against_a_worker(start_worker, tiny_model):
-    w = start_worker(tiny_model, num_kv_blocks=32)
+def test_generate_text_and_json_against_a_worker(tiny_worker):
+    w = tiny_worker
     r = pagoda("generate", "--target", w.address, "Once upon a time", "--max-tokens", "6", "--temperature", "0",
                "--json")
     assert r.returncode == 0, r.stderr

@@ -15,17 +15,23 @@ from prometheus_client.parser import text_string_to_metric_families
 from clients import AsyncPagodaClient, PagodaClient
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.tokenization import PromptTokenizer
+from tests.plugins.servers import TINY_WORKER_FLAGS
 
 pytestmark = pytest.mark.slow
 
-NUM_BLOCKS, BLOCK, MAX_LEN = 24, 16, 512      # pool (384 tokens) smaller than max_model_len on purpose
+NUM_BLOCKS, BLOCK, MAX_LEN = (TINY_WORKER_FLAGS[k] for k in ("num_kv_blocks", "block_size", "max_model_len"))
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
 
 @pytest.fixture(scope="module")
-def worker(start_worker_module, tiny_model):
-    return start_worker_module(tiny_model, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=MAX_LEN,
-                               metrics=True)
+def worker(tiny_worker):
+    return tiny_worker
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    from gpu_worker.llm import LLM
+    return LLM(model=tiny_model, device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +53,11 @@ def wait_idle(client, timeout=10.0) -> pb.LoadReport:
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0, max_tokens=16),
                                       dict(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=20)])
-def test_stream_equals_offline_api(client, tiny_model, sampling):
-    from gpu_worker.llm import LLM
+def test_stream_equals_offline_api(client, offline, sampling):
     from gpu_worker.sampling_params import SamplingParams
     chunks = list(client.generate(PROMPT, ignore_eos=True, **sampling))
     streamed_ids = [t for c in chunks for t in c.token_ids]
-    offline = LLM(model=tiny_model, device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK,
-                  max_model_len=MAX_LEN).generate([PROMPT], SamplingParams(ignore_eos=True, **sampling))[0]
+    offline = offline.generate([PROMPT], SamplingParams(ignore_eos=True, **sampling))[0]
     assert streamed_ids == offline.outputs[0].token_ids and len(streamed_ids) == sampling["max_tokens"]
     assert "".join(c.text for c in chunks) == offline.outputs[0].text
     last = chunks[-1]
@@ -225,7 +229,8 @@ def test_backpressure_then_sigterm_drains_and_exits_zero(start_worker, tiny_mode
 
     async def run():
         async with AsyncPagodaClient(w.address, retries=0) as c:
-            first = c.generate(PROMPT, max_tokens=40, ignore_eos=True, temperature=0.0)
+            # Long enough that it is still running after the checks below, even on a slow machine.
+            first = c.generate(PROMPT, max_tokens=300, ignore_eos=True, temperature=0.0)
             got = [await first.__anext__()]
             second = asyncio.ensure_future(c.complete(PROMPT, max_tokens=4, ignore_eos=True))
             while (await c.load()).waiting < 1:
@@ -246,6 +251,6 @@ def test_backpressure_then_sigterm_drains_and_exits_zero(start_worker, tiny_mode
             return got, await second
 
     chunks, second = asyncio.run(run())
-    assert sum(len(c.token_ids) for c in chunks) == 40 and chunks[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in chunks) == 300 and chunks[-1].finish_reason == "length"
     assert second.finish_reason == "length" and len(second.token_ids) == 4
     assert w.proc.wait(30) == 0

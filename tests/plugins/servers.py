@@ -21,6 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 _LISTEN = re.compile(r"listening on [^\s]+:(\d+)")
+# The shared worker's pool (384 tokens) is smaller than its max_model_len on purpose, so that a
+# request can pass the length check and still never fit the pool.
+TINY_WORKER_FLAGS = dict(num_kv_blocks=24, block_size=16, max_model_len=512, metrics=True)
 DEFAULT_FLAGS = dict(host="127.0.0.1", port=0, device="cpu", num_kv_blocks=64, metrics_port=0,
                      drain_grace_seconds=10, log_level="INFO")
 
@@ -152,4 +155,13 @@ def start_worker_module(tmp_path_factory):
     """As start_worker, but the workers live for the whole test module."""
     start, handles = _factory(tmp_path_factory)
     yield start
+    _cleanup(handles)
+
+
+@pytest.fixture(scope="session")
+def tiny_worker(tmp_path_factory, tiny_model):
+    """One worker on the tiny Llama (TINY_WORKER_FLAGS) shared by the whole session: for tests that
+    only need a worker to talk to and leave it idle and serving."""
+    start, handles = _factory(tmp_path_factory)
+    yield start(tiny_model, **TINY_WORKER_FLAGS)
     _cleanup(handles)
