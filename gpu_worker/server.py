@@ -48,8 +48,9 @@ class _Invalid(Exception):
 
 class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
     def __init__(self, engine, tokenizer: PromptTokenizer, worker_id: str, metrics=None,
-                 health_servicer: Optional[health.aio.HealthServicer] = None):
+                 health_servicer: Optional[health.aio.HealthServicer] = None, on_drain=None):
         self.engine, self.tokenizer, self.worker_id = engine, tokenizer, worker_id
+        self.on_drain = on_drain                   # async callable run once when draining starts
         self.metrics, self.health = metrics, health_servicer
         self.model_name = engine.model_name
         self.draining = False
@@ -209,6 +210,8 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         log.info("draining: admissions stopped, %d streams open", len(self.active))
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
+        if self.on_drain is not None:
+            await self.on_drain()
 
     async def wait_idle(self, timeout: float) -> bool:
         """True when every open stream ended within `timeout` seconds."""
@@ -250,7 +253,8 @@ class Worker:
             self.metrics = WorkerMetrics(engine.stats, engine.model_name)
             self.metrics.serve(a.host, a.metrics_port)
         health_servicer = health.aio.HealthServicer()
-        self.service = WorkerService(engine, tokenizer, self.worker_id, self.metrics, health_servicer)
+        self.service = WorkerService(engine, tokenizer, self.worker_id, self.metrics, health_servicer,
+                                     on_drain=self._stop_publisher)
         pb_grpc.add_GenerationServicer_to_server(self.service, self.server)
         pb_grpc.add_AdminServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
@@ -286,14 +290,19 @@ class Worker:
                                    heartbeat_s=a.heartbeat_interval, snapshot_s=a.snapshot_interval)
         await self.publisher.start()
 
+    async def _stop_publisher(self) -> None:
+        # Withdrawing the lease at drain start lets routers stop choosing this worker at once.
+        if self.publisher is not None:
+            publisher, self.publisher = self.publisher, None
+            await publisher.stop()
+
     async def shutdown(self, grace: float) -> None:
         """Stop admissions, let open streams finish for up to `grace` seconds, then stop."""
         await self.service.start_drain()
         finished = await self.service.wait_idle(grace)
         log.info("shutdown: %s", "all streams finished" if finished else "grace period over, cancelling streams")
         await self.server.stop(0.5)
-        if self.publisher is not None:
-            await self.publisher.stop()
+        await self._stop_publisher()
         await self.engine.shutdown()
         if self.metrics is not None:
             self.metrics.stop()

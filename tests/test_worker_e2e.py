@@ -224,8 +224,16 @@ def test_metrics_scrape_parses_and_holds_the_series(worker, client):
     assert before.num_blocks == NUM_BLOCKS
 
 
-def test_backpressure_then_sigterm_drains_and_exits_zero(start_worker, tiny_model):
-    w = start_worker(tiny_model, num_kv_blocks=NUM_BLOCKS, max_num_seqs=1, max_waiting=1, drain_grace_seconds=20)
+def test_backpressure_then_sigterm_drains_and_exits_zero(start_worker, tiny_model, redis_server):
+    import redis
+    from protos import redis_schema as rs
+    w = start_worker(tiny_model, num_kv_blocks=NUM_BLOCKS, max_num_seqs=1, max_waiting=1, drain_grace_seconds=20,
+                     redis_url=redis_server.url, worker_id="drain-me")
+    r = redis.Redis.from_url(redis_server.url)
+    deadline = time.monotonic() + 10
+    while r.get(rs.lease_key("drain-me")) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rs.Lease.decode(r.get(rs.lease_key("drain-me"))).address == w.address
 
     async def run():
         async with AsyncPagodaClient(w.address, retries=0) as c:
@@ -247,6 +255,11 @@ def test_backpressure_then_sigterm_drains_and_exits_zero(start_worker, tiny_mode
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await c.complete(PROMPT, max_tokens=2)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            # Draining withdraws the Redis lease so routers stop choosing this worker.
+            gone_by = time.monotonic() + 5
+            while r.get(rs.lease_key("drain-me")) is not None and time.monotonic() < gone_by:
+                await asyncio.sleep(0.02)
+            assert r.get(rs.lease_key("drain-me")) is None
             got += [ch async for ch in first]
             return got, await second
 
