@@ -94,3 +94,32 @@ def random_paged_batch(q_lens: list[int], seq_lens: list[int], num_q_heads: int,
                 block_tables=table.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
                 query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
                 scale=head_dim ** -0.5)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual); residual None means plain RMSNorm of x.
+
+    Arithmetic as transformers' LlamaRMSNorm: the sum in x's dtype, the variance in fp32, the
+    normalised row cast back to x's dtype before the weight multiplies it.
+    """
+    h = x if residual is None else x + residual
+    hf = h.float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed, h
+
+
+def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding of q [T, Hq, D] and k [T, Hkv, D] by position.
+
+    cos/sin: [max_positions, D] fp32 tables with the two halves equal (cat(freqs, freqs)).
+    """
+    c = cos[positions].unsqueeze(1).to(q.dtype)
+    s = sin[positions].unsqueeze(1).to(q.dtype)
+
+    def rotate(x):
+        half = x.shape[-1] // 2
+        return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+
+    return rotate(q), rotate(k)

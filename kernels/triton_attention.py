@@ -113,27 +113,30 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _merge_splits_kernel(part_acc, part_ml, out, num_tokens, num_q_heads, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         HEADS_BLOCK: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    head = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
     d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    m_run = tl.full([], _NEG, tl.float32)
-    l_run = tl.zeros([], tl.float32)
-    o_run = tl.zeros([D_PAD], tl.float32)
+    h_ok = head < num_q_heads
+    mask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
+    m_run = tl.full([HEADS_BLOCK], _NEG, tl.float32)
+    l_run = tl.zeros([HEADS_BLOCK], tl.float32)
+    o_run = tl.zeros([HEADS_BLOCK, D_PAD], tl.float32)
     for sp in range(NUM_SPLITS):
         row = (sp * num_tokens + tok) * num_q_heads + head
-        m_s = tl.load(part_ml + row * 2)
-        l_s = tl.load(part_ml + row * 2 + 1)
-        a_s = tl.load(part_acc + row * HEAD_DIM + d, mask=d_ok, other=0.0)
+        m_s = tl.load(part_ml + row * 2, mask=h_ok, other=_NEG)
+        l_s = tl.load(part_ml + row * 2 + 1, mask=h_ok, other=0.0)
+        a_s = tl.load(part_acc + row[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
         m_new = tl.maximum(m_run, m_s)
         c_run = tl.exp2(m_run - m_new)
         c_s = tl.exp2(m_s - m_new)
         l_run = l_run * c_run + l_s * c_s
-        o_run = o_run * c_run + a_s * c_s
+        o_run = o_run * c_run[:, None] + a_s * c_s[:, None]
         m_run = m_new
-    tl.store(out + tok * stride_ot + head * stride_oh + d, (o_run / l_run).to(out.dtype.element_ty),
-             mask=d_ok)
+    o = o_run / l_run[:, None]
+    tl.store(out + tok * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
+             mask=mask)
 
 
 def split_workspace(num_splits: int, num_tokens: int, num_q_heads: int, head_dim: int,
@@ -161,8 +164,32 @@ def _choose_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, block_n: i
     splits = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
     if max_seq_len is not None:
         # Each segment should keep at least a few key tiles, or the merge costs more than it saves.
-        splits = min(splits, max(1, triton.next_power_of_2(max_seq_len // (4 * block_n) + 1) // 2))
+        tiles_per_4 = max_seq_len // (4 * block_n)
+        splits = min(splits, 1 << max(0, tiles_per_4.bit_length() - 1))
     return max(1, min(splits, 16))
+
+
+def launch_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  block_size: int, cache_dtype: torch.dtype, on_cuda: bool,
+                  block_n: int | None = None) -> dict:
+    """The attention kernel's compile-time parameters (less NUM_SPLITS) and num_warps for a batch."""
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # Without a sync we only know whether every sequence could be a single decode token; a
+    # decode tile needs few rows, but tl.dot wants at least 16.
+    fp32 = cache_dtype == torch.float32
+    decode = num_tokens <= num_seqs
+    # fp32 uses exact (ieee) dots, whose larger operands spill at 64 x 64 tiles on sm_90:
+    # smaller tiles and more warps (checked by tests/test_kernels_compile.py).
+    block_m = 16 if decode else 32 if fp32 else 64
+    block_q = max(1, block_m // group_pad)
+    if block_n is None:
+        # Under the interpreter every tile costs milliseconds whatever its size: keep them small.
+        block_n = (32 if fp32 and not decode else 64) if on_cuda else max(16, min(32, block_size))
+    return dict(BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
+                HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+                DOT_PREC="ieee" if fp32 else "tf32",
+                num_warps=8 if fp32 or block_q * group_pad >= 128 else 4)
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -184,37 +211,30 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    group = num_q_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    # Without a sync we only know whether every sequence could be a single decode token.
-    decode_only = num_tokens <= num_seqs
-    block_m = 16 if decode_only else 64
-    block_q = max(1, block_m // group_pad)
-    block_m = block_q * group_pad
-    if block_n is None:
-        block_n = 64 if q.is_cuda else max(16, min(32, block_size))
+    cfg = launch_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
+                        k_cache.dtype, q.is_cuda, block_n)
     if num_splits is None:
-        num_splits = _choose_splits(q, num_seqs, num_kv_heads, block_n, decode_only, max_seq_len)
+        num_splits = _choose_splits(q, num_seqs, num_kv_heads, cfg["BLOCK_N"], num_tokens <= num_seqs,
+                                    max_seq_len)
     if num_splits > 1:
         part_acc, part_ml = split_workspace(num_splits, num_tokens, num_q_heads, head_dim, q.device)
     else:
         part_acc = part_ml = out  # unused by the kernel when NUM_SPLITS == 1
-    num_tiles = num_tokens // block_q + num_seqs
-    fp32 = k_cache.dtype == torch.float32
-    _paged_attn_kernel[(num_tiles, num_kv_heads, num_splits)](
+    num_warps = cfg.pop("num_warps")
+    _paged_attn_kernel[(num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_ml,
         scale * _LOG2E, num_seqs, num_tokens, num_q_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
-        DOT_PREC="ieee" if fp32 else "tf32",
-        num_warps=8 if block_m >= 128 else 4, num_stages=2)
+        NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=2, **cfg)
     if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_q_heads)](
+        # Per head on a GPU, for parallelism; all heads per token under the interpreter, where
+        # each program costs milliseconds.
+        heads = 1 if q.is_cuda else triton.next_power_of_2(num_q_heads)
+        _merge_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, heads))](
             part_acc, part_ml, out, num_tokens, num_q_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
-            num_warps=1)
+            HEADS_BLOCK=heads, num_warps=1)
     return out
 
 
