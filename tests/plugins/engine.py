@@ -46,3 +46,14 @@ def tiny_llm_factory(tiny_model_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine thread
+    hand-offs cost more than the math (tens of times slower); restored afterwards."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
