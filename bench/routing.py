@@ -46,14 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", default=None, help="comma-separated cluster sizes (default 4,8,16,32)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--requests-per-worker", type=int, default=None, help="default 150 (quick: 25)")
-    p.add_argument("--load", type=float, default=0.8,
+    p.add_argument("--requests-per-worker", type=int, default=None, help="default 150 (quick: 20)")
+    p.add_argument("--load", type=float, default=0.9,
                    help="offered work as a fraction of the cluster's capacity if nothing were cached")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per simulated worker")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--publish-interval", type=float, default=0.05, help="simulated s between event pushes")
     p.add_argument("--heartbeat", type=float, default=0.5, help="simulated s between leases")
-    p.add_argument("--ttft-slo", type=float, default=1.0, help="goodput counts requests with TTFT within this")
+    p.add_argument("--ttft-slo", type=float, default=0.5, help="goodput counts requests with TTFT within this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--redis-url", default=None, help="use this Redis (it is FLUSHDBed!) instead of starting one")
     p.add_argument("--plot", default=None, help="directory for PNG plots")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     sizes = _ints(a.workers) if a.workers else ([4] if a.quick else [4, 8, 16, 32])
     if a.requests_per_worker is None:
-        a.requests_per_worker = 25 if a.quick else 150
+        a.requests_per_worker = 20 if a.quick else 150
     workloads = _names(a.workloads, WORKLOADS, "workloads")
     policies = _names(a.policies, POLICIES, "policies")
     if a.requests_per_worker < 1 or any(n < 1 for n in sizes):

@@ -28,7 +28,7 @@ class SimConfig:
     publish_interval_s: float = 0.05       # KV events reach Redis (and the router) this often
     heartbeat_s: float = 0.5               # leases with load figures
     snapshot_s: float = 5.0
-    ttft_slo_s: float = 1.0                # goodput counts requests whose first token came within this
+    ttft_slo_s: float = 0.5                # goodput counts requests whose first token came within this
 
 
 @dataclass

@@ -66,7 +66,7 @@ class SimWorker:
         self.plan: list[tuple[SimRequest, int]] = []   # this step's prefill chunks
         self.busy = False
         self._events: list[tuple[str, bytes]] = []
-        self.queries = self.hits = self.prompt_tokens = self.generation_tokens = 0
+        self.queries = self.hits = self.prompt_tokens = self.generation_tokens = self.evictions = 0
 
     # ---- what routers may know -------------------------------------------------------
     def cached_prefix_tokens(self, req: SimRequest) -> int:
@@ -170,6 +170,7 @@ class SimWorker:
         for _ in range(need - taken):
             h, _ = self.lru.popitem(last=False)
             self._events.append(("removed", h))
+            self.evictions += 1
         r.owned, r.anon = list(r.hashes[:k]), need
         r.hit = r.computed = k * self.block_size
         self.queries += len(r.prompt)
