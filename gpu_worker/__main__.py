@@ -1,13 +1,17 @@
 """`python -m gpu_worker --model DIR ...`: one worker process (flags in gpu_worker/args.py)."""
 import asyncio
 import logging
+import os
 import sys
 
 from gpu_worker.args import build_parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        parser.error(f"--model: {args.model!r} is not a checkpoint directory (no config.json)")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from gpu_worker.server import serve

@@ -58,3 +58,21 @@ def test_generate_text_and_json_against_a_worker(tiny_worker):
     assert r2.returncode == 0 and r2.stdout == text + "\n"
     r3 = pagoda("generate", "--target", w.address, "hi", "--system", "Be brief.", "--max-tokens", "0")
     assert r3.returncode == 1 and "INVALID_ARGUMENT" in r3.stderr and "max_tokens" in r3.stderr
+
+
+@pytest.mark.slow
+def test_readme_client_example_runs(tiny_worker):
+    readme = (ROOT / "clients" / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace("pagoda-router.internal:50050", tiny_worker.address)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1].split()
+    assert last[-3] in ("stop", "length") and int(last[-2]) > 0 and int(last[-1]) > 0
+
+
+def test_worker_bad_flags_name_the_field(tiny_model):
+    r = pagoda("worker", "--model", "/no/such/dir")
+    assert r.returncode == 2 and "--model" in r.stderr and "Traceback" not in r.stderr
+    r = pagoda("worker", "--model", tiny_model, "--block-size", "7", "--device", "cpu")
+    assert r.returncode == 2 and "block_size" in r.stderr and "Traceback" not in r.stderr
