@@ -123,8 +123,8 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
             return "text", self.tokenizer.encode_text(request.text)
         if given[0] == "messages":
             agp = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-            return "messages", self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages],
-                                              add_generation_prompt=agp)
+            chat = [{"role": m.role, "content": m.content} for m in request.messages]
+            return "messages", self.tokenizer.encode_chat(chat, add_generation_prompt=agp)
         return "token_ids", list(request.token_ids)
 
     def _observe(self, delta, t0: float, last: dict[int, float]) -> None:

@@ -68,8 +68,11 @@ def tokenizer_dir(request, tmp_path):
         return _write(tmp_path / kind, tok, cfg)
     tok = _train(["<unk>", "<s>"])
     # eos not in tokenizer.json: both sides must append it as a special token.
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": {"__type": "AddedToken", "content": "<s>", "special": True},
-           "eos_token": {"__type": "AddedToken", "content": "<eos>", "special": True}, "add_bos_token": False, "add_eos_token": True,
+    # transformers ignores add_*_token when tokenizer.json exists; ours must too.
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast",
+           "bos_token": {"__type": "AddedToken", "content": "<s>", "special": True},
+           "eos_token": {"__type": "AddedToken", "content": "<eos>", "special": True},
+           "add_bos_token": False, "add_eos_token": True,
            "chat_template": [{"name": "default", "template": LLAMA_STYLE}, {"name": "other", "template": "x"}]}
     return _write(tmp_path / kind, tok, cfg)
 
