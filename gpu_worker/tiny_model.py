@@ -4,10 +4,12 @@ Used by tests, `pagoda up` and `pagoda make-tiny-model`: a directory that transf
 offline exactly like a real checkpoint (config.json, model.safetensors, generation_config.json,
 tokenizer.json, tokenizer_config.json with a ChatML chat template).
 
-Random tiny models have nearly flat logits, so greedy decoding would flip on rounding noise
-between implementations. Weights are drawn wider than usual and the final norm is scaled up so
-that top-1 margins are large; norm weights and biases are randomised so that a loader that
-skips them produces visibly different logits.
+Weights are drawn here with numpy (no torch or transformers import, so the CLI is quick) under
+HF's parameter names. Random tiny models have nearly flat logits, so greedy decoding would flip
+on rounding noise between implementations. Weights are drawn wider than usual and the final norm
+is scaled up so that top-1 margins are large; q/k weights are wider still so that attention is sharp (near
+uniform attention would hide rope and masking errors); norm weights and biases are randomised
+so that a loader that skips them produces visibly different logits.
 
     python -m gpu_worker.tiny_model DIR [--family llama|mistral|qwen2|qwen3] [--seed N]
 """
@@ -97,53 +99,75 @@ def build_tokenizer(add_bos: bool):
     return tok
 
 
-def _init_weights(model, seed: int) -> None:
-    """Make logits peaked and every parameter matter (see module docstring)."""
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") and name != "model.norm.weight":
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif name == "model.norm.weight":
-                # Logit scale: unit-RMS hidden state times std-0.1 rows gives std ~0.8;
-                # x8 gives a spread of several nats between the best tokens.
-                p.copy_(8.0 * (1.0 + 0.1 * torch.randn(p.shape, generator=g)))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+def tiny_weights(cfg: dict, seed: int) -> dict:
+    """HF-named float32 arrays for `cfg`, drawn so that logits are peaked (module docstring)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] == "qwen3"
+    attn_bias, mlp_bias = bool(cfg.get("attention_bias")), bool(cfg.get("mlp_bias"))
+
+    def normal(std, *shape):
+        return (std * rng.standard_normal(shape)).astype(np.float32)
+
+    def norm_weight(dim, scale=1.0):
+        return (scale * (1.0 + 0.2 * rng.standard_normal(dim))).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": normal(0.1, vocab, hidden)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm_weight(hidden)
+        w[p + "post_attention_layernorm.weight"] = norm_weight(hidden)
+        # Wide q/k give sharp attention: positions (rope) and context visibly matter.
+        w[p + "self_attn.q_proj.weight"] = normal(0.3, heads * head_dim, hidden)
+        w[p + "self_attn.k_proj.weight"] = normal(0.3, kv_heads * head_dim, hidden)
+        w[p + "self_attn.v_proj.weight"] = normal(0.1, kv_heads * head_dim, hidden)
+        w[p + "self_attn.o_proj.weight"] = normal(0.1, hidden, heads * head_dim)
+        if qwen2 or attn_bias:
+            for name, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+                w[p + f"self_attn.{name}_proj.bias"] = normal(0.1, rows * head_dim)
+        if attn_bias:
+            w[p + "self_attn.o_proj.bias"] = normal(0.1, hidden)
+        if qwen3:
+            w[p + "self_attn.q_norm.weight"] = norm_weight(head_dim, 3.0)
+            w[p + "self_attn.k_norm.weight"] = norm_weight(head_dim, 3.0)
+        w[p + "mlp.gate_proj.weight"] = normal(0.1, inter, hidden)
+        w[p + "mlp.up_proj.weight"] = normal(0.1, inter, hidden)
+        w[p + "mlp.down_proj.weight"] = normal(0.1, hidden, inter)
+        if mlp_bias:
+            for name, dim in (("gate", inter), ("up", inter), ("down", hidden)):
+                w[p + f"mlp.{name}_proj.bias"] = normal(0.1, dim)
+    # Logit scale: unit-RMS hidden state times std-0.1 rows gives std ~0.8; x8 spreads the
+    # best tokens several nats apart.
+    w["model.norm.weight"] = norm_weight(hidden, 8.0)
+    if not cfg.get("tie_word_embeddings"):
+        w["lm_head.weight"] = normal(0.1, vocab, hidden)
+    return w
 
 
 def make_tiny_model(path: str, family: str = "llama", seed: int = 0, **config_overrides) -> str:
     """Write a tiny random checkpoint of `family` into `path` (created) and return `path`."""
     if family not in FAMILIES:
         raise ValueError(f"family: must be one of {', '.join(FAMILIES)} (got {family!r})")
-    import torch
-    import transformers
+    from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
     add_bos = family in ("llama", "mistral")   # as the real ones: Qwen adds no BOS
     tok = build_tokenizer(add_bos)
     special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    cfg_dict = family_config(family, tok.get_vocab_size(), special_ids)
-    cfg_dict.update(config_overrides)
-
-    cfg_cls = transformers.AutoConfig.for_model(cfg_dict["model_type"]).__class__
-    config = cfg_cls(**{k: v for k, v in cfg_dict.items() if k != "model_type"})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _init_weights(model, seed)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    model.save_pretrained(path, safe_serialization=True)
+    cfg = family_config(family, tok.get_vocab_size(), special_ids)
+    cfg.update(config_overrides)
+    _write_json(os.path.join(path, "config.json"), cfg)
+    save_file(tiny_weights(cfg, seed), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
     tok.save(os.path.join(path, "tokenizer.json"))
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": None,
         "add_bos_token": add_bos, "add_eos_token": False,
-        "model_max_length": cfg_dict["max_position_embeddings"],
+        "model_max_length": cfg["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
         "additional_special_tokens": [IM_START, IM_END],

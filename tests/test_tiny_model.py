@@ -24,7 +24,9 @@ def test_transformers_loads_every_family(tiny_model_factory, family):
     assert config.model_type == written["model_type"] == family
     assert written["architectures"] == [type(transformers.AutoModelForCausalLM.from_config(config)).__name__]
     assert config.num_key_value_heads < config.num_attention_heads       # GQA
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     params = dict(model.named_parameters())
     if family == "qwen2":
         assert "model.layers.0.self_attn.q_proj.bias" in params
@@ -59,21 +61,38 @@ def test_chat_template_and_eos(tiny_model):
     assert gen.eos_token_id == [hf.eos_token_id, hf.convert_tokens_to_ids("<|im_end|>")]
 
 
-def _greedy(path, prompt, n=12):
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def _greedy(tok, model, prompt, n=12):
     x = torch.tensor([tok.encode(prompt)])
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=tok.pad_token_id)
     return out[0, x.shape[1]:].tolist()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_varies_across_prompts_and_is_stable(tiny_model_factory, family):
     path = tiny_model_factory(family)
-    outs = [_greedy(path, p) for p in TEXTS[:4]]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = [_greedy(tok, model, p) for p in TEXTS[:4]]
     assert len({tuple(o) for o in outs}) == 4
-    assert _greedy(path, TEXTS[0]) == outs[0]
+    assert all(len(set(o)) > 3 for o in outs)          # not one token repeated
+    again = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert _greedy(tok, again, TEXTS[0]) == outs[0]
+
+
+def test_position_and_context_matter(tiny_model):
+    """Sharp attention: the same last token after another prefix, or at other positions, differs."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(5, model.config.vocab_size, (1, 40), generator=g)
+    y = torch.cat([torch.randint(5, model.config.vocab_size, (1, 39), generator=g), x[:, -1:]], 1)
+    with torch.no_grad():
+        base = model(x).logits[0, -1]
+        other_prefix = model(y).logits[0, -1]
+        shifted = model(x, position_ids=torch.arange(40)[None] * 3).logits[0, -1]
+    assert (base - other_prefix).abs().max() > 1.0
+    assert (base - shifted).abs().max() > 0.1
 
 
 def test_logits_are_peaked(tiny_model):

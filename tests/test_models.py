@@ -1,0 +1,220 @@
+"""Native models through the runner match transformers' forward, over paged caches of any block size.
+
+Every test builds SchedulerOutputs by hand (block ids chosen and scattered on purpose) and compares
+logits at the sampled rows against HF's full-sequence forward in fp32.
+"""
+import random
+
+import pytest
+import torch
+import transformers
+
+from gpu_worker.config import EngineConfig
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.outputs import ScheduledRequest, SchedulerOutput
+from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.tiny_model import FAMILIES
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_model_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = transformers.AutoModelForCausalLM.from_pretrained(
+                tiny_model_factory(family), dtype=torch.float32).eval()
+        return cache[family]
+    return get
+
+
+def make_runner(path, block_size=16, num_blocks=64, **kw):
+    runner = ModelRunner(EngineConfig(model=path, device="cpu", block_size=block_size, **kw))
+    runner.allocate_kv_cache(num_blocks)
+    return runner
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def assert_close_rel(got, want, rel=1e-4):
+    err = (got - want).abs().max().item()
+    assert err <= rel * want.abs().max().item(), f"max abs error {err} vs scale {want.abs().max().item()}"
+
+
+def req(rid, token_ids, start, blocks, sample=True, prompt=None, output=(), params=GREEDY):
+    prompt = list(prompt if prompt is not None else token_ids)
+    return ScheduledRequest(rid, list(token_ids), start, list(blocks), sample, params, prompt, list(output))
+
+
+def scattered_blocks(n, pool, seed):
+    ids = list(range(pool))
+    random.Random(seed).shuffle(ids)
+    return ids[:n]
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_then_decode_logits_match_hf(tiny_model_factory, hf_models, family, block_size):
+    path = tiny_model_factory(family)
+    runner = make_runner(path, block_size, num_blocks=16)
+    hf = hf_models(family)
+    rng = random.Random(7)
+    prompt = [rng.randrange(5, runner.vocab_size) for _ in range(37)]
+    decode = 5
+    blocks = scattered_blocks(-(-(len(prompt) + decode) // block_size), 16, seed=block_size)
+    seq = list(prompt)
+    steps = [runner.forward([req("a", prompt, 0, blocks, prompt=prompt)])[0]]
+    for _ in range(decode):
+        seq.append(int(steps[-1].argmax()))
+        steps.append(runner.forward([req("a", seq[-1:], len(seq) - 1, blocks, prompt=prompt,
+                                         output=seq[len(prompt):])])[0])
+    want = hf_logits(hf, seq)
+    for i, got in enumerate(steps):
+        assert_close_rel(got, want[len(prompt) - 1 + i])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ragged_batch_with_chunked_prefill_over_cached_blocks(tiny_model_factory, hf_models, family):
+    path = tiny_model_factory(family)
+    bs = 8
+    runner = make_runner(path, bs, num_blocks=32)
+    hf = hf_models(family)
+    rng = random.Random(3)
+    shared = [rng.randrange(5, runner.vocab_size) for _ in range(16)]
+    a = shared + [rng.randrange(5, runner.vocab_size) for _ in range(13)]   # 29 tokens
+    b = shared + [rng.randrange(5, runner.vocab_size) for _ in range(6)]    # 22 tokens
+    c = [rng.randrange(5, runner.vocab_size) for _ in range(11)]
+    a_blocks, b_blocks, c_blocks = [17, 4, 30, 9], [17, 4, 22], [2, 25]
+    # Step 1: A's first chunk (no sample) next to C's whole prompt.
+    out1 = runner.forward([req("a", a[:16], 0, a_blocks, sample=False, prompt=a),
+                           req("c", c, 0, c_blocks)])
+    assert out1.shape[0] == 1
+    assert_close_rel(out1[0], hf_logits(hf, c)[-1])
+    c_next = int(out1[0].argmax())
+    # Step 2: A's second chunk, B computed over A's two cached blocks, C's first decode.
+    out2 = runner.forward([req("a", a[16:], 16, a_blocks, prompt=a),
+                           req("b", b[16:], 16, b_blocks, prompt=b),
+                           req("c", [c_next], len(c), c_blocks, prompt=c, output=[c_next])])
+    assert out2.shape[0] == 3
+    assert_close_rel(out2[0], hf_logits(hf, a)[-1])
+    assert_close_rel(out2[1], hf_logits(hf, b)[-1])
+    assert_close_rel(out2[2], hf_logits(hf, c + [c_next])[-1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_ids_equal_transformers_generate(tiny_model_factory, hf_models, family):
+    path = tiny_model_factory(family)
+    runner = make_runner(path, 16, num_blocks=8)
+    tok = runner.tokenizer
+    prompt = tok.encode("Once upon a time the router")
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        want = hf_models(family).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20,
+                                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = want[0, len(prompt):].tolist()
+    blocks = [6, 1, 3]
+    out = runner.execute(SchedulerOutput([req("g", prompt, 0, blocks)])).sampled_token_ids["g"]
+    got = [out]
+    while len(got) < 20:
+        seq = prompt + got
+        step = SchedulerOutput([req("g", [got[-1]], len(seq) - 1, blocks, prompt=prompt, output=got)])
+        got.append(runner.execute(step).sampled_token_ids["g"])
+    assert got == want
+
+
+def test_llama3_rope_scaling_matches_hf(tiny_model_factory):
+    # The pre-5.0 spelling (rope_theta + rope_scaling), which transformers 5 still reads.
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}
+    path = tiny_model_factory("llama", seed=5, rope_scaling=rope, rope_theta=500000.0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.rope_parameters["rope_type"] == "llama3"
+    runner = make_runner(path, 16, num_blocks=16)
+    rng = random.Random(1)
+    ids = [rng.randrange(5, runner.vocab_size) for _ in range(150)]
+    got = runner.forward([req("r", ids, 0, list(range(10)))])[0]
+    assert_close_rel(got, hf_logits(hf, ids)[-1])
+    # The scaling matters at these lengths: the same weights without it give other logits.
+    plain = make_runner(tiny_model_factory("llama", seed=5), 16, num_blocks=16)
+    other = plain.forward([req("r", ids, 0, list(range(10)))])[0]
+    assert (other - got).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_tracks_transformers_in_the_same_dtype(tiny_model, dtype):
+    torch_dtype = getattr(torch, dtype)
+    half = make_runner(tiny_model, 16, num_blocks=8, dtype=dtype)
+    assert half.kv_caches[0][0].dtype == torch_dtype
+    assert half.model.embed_tokens.weight.dtype == torch_dtype
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch_dtype).eval()
+    rng = random.Random(2)
+    ids = [rng.randrange(5, half.vocab_size) for _ in range(40)]
+    got = half.forward([req("x", ids, 0, [0, 1, 2])])[0]
+    assert got.dtype == torch.float32
+    want = hf_logits(hf, ids)[-1]
+    # Rounding differs (fused projections), so only a loose bound; fp32 is the exact path.
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+
+
+def test_runner_attributes_and_block_sizing(tiny_model):
+    r = ModelRunner(EngineConfig(model=tiny_model, device="cpu", block_size=16))
+    assert r.vocab_size == len(r.tokenizer) and r.max_model_len == 1024
+    assert r.eos_token_ids == [r.tokenizer.eos_token_id, r.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert r.num_blocks_for() == 8 * 1024 // 16
+    per_block = 2 * 2 * 16 * 2 * 16 * 4      # K+V, layers, block, kv heads, head_dim, fp32
+    assert r.bytes_per_block() == per_block
+    r2 = ModelRunner(EngineConfig(model=tiny_model, device="cpu", kv_cache_memory=10 * per_block + 5))
+    assert r2.num_blocks_for() == 10
+    r3 = ModelRunner(EngineConfig(model=tiny_model, device="cpu", num_kv_blocks=7, max_model_len=100))
+    assert r3.num_blocks_for() == 7 and r3.max_model_len == 100
+    r3.allocate_kv_cache(7)
+    assert [tuple(k.shape) for k, _ in r3.kv_caches] == [(7, 16, 2, 16)] * 2
+    with pytest.raises(ValueError, match="max_model_len"):
+        ModelRunner(EngineConfig(model=tiny_model, device="cpu", max_model_len=4096))
+
+
+def test_bad_checkpoints_and_backends_are_named(tiny_model, tmp_path):
+    import shutil
+    with pytest.raises(ValueError, match="attention_backend"):
+        ModelRunner(EngineConfig(model=tiny_model, device="cpu", attention_backend="triton"))
+    with pytest.raises(ValueError, match="config.json"):
+        ModelRunner(EngineConfig(model=str(tmp_path), device="cpu"))
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    from safetensors.torch import load_file, save_file
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="layers.1.self_attn.qkv_proj.weight"):
+        ModelRunner(EngineConfig(model=str(broken), device="cpu"))
+
+
+def test_slot_mapping_and_metadata_layout(tiny_model):
+    r = make_runner(tiny_model, 8, num_blocks=16)
+    ids, pos, meta, rows = r.prepare([req("a", [1, 2, 3], 6, [5, 9]), req("b", [4], 0, [3], sample=False)])
+    assert pos.tolist() == [6, 7, 8, 0]
+    assert meta.slot_mapping.tolist() == [5 * 8 + 6, 5 * 8 + 7, 9 * 8 + 0, 3 * 8]
+    assert meta.seq_lens.tolist() == [9, 1] and meta.query_start_loc.tolist() == [0, 3, 4]
+    assert meta.block_tables.tolist() == [[5, 9], [3, 0]] and rows == [2]
+    with pytest.raises(ValueError, match="block_ids"):
+        r.prepare([req("a", [1, 2, 3], 7, [5])])
+
+
+def test_cuda_runner_matches_cpu(tiny_model_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (CPU twin: test_prefill_then_decode_logits_match_hf)")
+    for family in FAMILIES:
+        path = tiny_model_factory(family)
+        cpu = make_runner(path, 16, num_blocks=16)
+        gpu = ModelRunner(EngineConfig(model=path, device="cuda", dtype="float32", block_size=16))
+        assert 0 < gpu.num_blocks_for()
+        gpu.allocate_kv_cache(16)
+        ids = list(range(30, 75))
+        a = cpu.forward([req("x", ids[:40], 0, [3, 7, 1]), req("y", ids, 0, [4, 8, 2, 5])])
+        b = gpu.forward([req("x", ids[:40], 0, [3, 7, 1]), req("y", ids, 0, [4, 8, 2, 5])]).cpu()
+        assert_close_rel(b, a, rel=1e-3)
