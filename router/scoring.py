@@ -17,7 +17,7 @@ from protos.redis_schema import Lease
 from router.index import BlockIndex
 
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")
-DECODE_WEIGHT = 16
+DECODE_WEIGHT = 4
 KV_KNEE = 0.8
 KV_PENALTY_TOKENS = 4096
 

@@ -42,3 +42,11 @@ def redis_server(tmp_path):
     server = RedisProcess(str(tmp_path)).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server_module(tmp_path_factory):
+    """As redis_server, shared by one test module (for tests that share slow-starting workers)."""
+    server = RedisProcess(str(tmp_path_factory.mktemp("redis"))).start()
+    yield server
+    server.stop()

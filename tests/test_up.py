@@ -1,0 +1,74 @@
+"""`pagoda up` (clients.up): embedded redis-server, a worker and a router as processes, the default
+tiny model built into the cache directory, and Ctrl-C stopping every child."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos.pagoda.v1 import pagoda_pb2 as pb
+from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (its parent has not reaped it yet).
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_up_serves_then_ctrl_c_stops_everything(tmp_path):
+    import clients.up
+    assert clients.up.find_redis_server()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "clients.up", "--workers", "1", "--port", "0", "--device", "cpu",
+                             "--num-kv-blocks", "64", "--cache-dir", str(tmp_path / "cache")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines, address = [], None
+    try:
+        deadline = time.monotonic() + 240
+        while address is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"router at (\S+)", line)
+            address = m and m.group(1)
+        assert address, "".join(lines)
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", "".join(lines))]
+        assert len(pids) == 3                      # redis, worker, router
+        assert (tmp_path / "cache" / "tiny-llama" / "config.json").is_file()
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(address))
+        final = list(stub.Generate(pb.GenerateRequest(text="Hello there", sampling=pb.SamplingParams(
+            max_tokens=5, temperature=0, ignore_eos=True)), timeout=60))[-1]
+        assert final.finished and final.usage.completion_tokens == 5 and final.worker_id == "worker-0"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert "stopped" in out and proc.returncode == 0
+        assert not [p for p in pids if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_up_import_is_light():
+    code = "import sys, clients.up; assert 'torch' not in sys.modules and 'gpu_worker' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_router_import_is_light():
+    code = ("import sys, router.server, router.args; "
+            "assert 'torch' not in sys.modules and not any(m.startswith('gpu_worker') for m in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
