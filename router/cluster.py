@@ -200,10 +200,7 @@ class Cluster:
 
 
 def _stream_items(reply):
-    # RESP2 answers a list of [stream, entries]; RESP3 a dict.
+    # RESP2 answers a list of [stream, entries]; RESP3 a dict of stream -> entries.
     if not reply:
         return []
-    if isinstance(reply, dict):
-        return [(k, v[0] if v and isinstance(v[0], list) and v and not isinstance(v[0][0], (bytes, str)) else v)
-                for k, v in reply.items()]
-    return reply
+    return list(reply.items()) if isinstance(reply, dict) else reply
