@@ -31,14 +31,16 @@ class ScriptedGeneration(pb_grpc.GenerationServicer):
         self.calls += 1
         self.seen_requests.append(request)
         self.seen_metadata.append(dict(context.invocation_metadata()))
+        ended = []      # set when this handler ends on its own: termination before that is a cancel
+        context.add_callback(lambda: None if ended else self.cancelled.set())
         if self.calls <= self.unavailable:
+            ended.append(True)
             context.abort(grpc.StatusCode.UNAVAILABLE, "no worker yet")
         n = request.sampling.n if request.sampling.HasField("n") else 1
         for i, w in enumerate(self.words):
             if self.delay:
                 threading.Event().wait(self.delay)
-            if not context.is_active():     # the client went away mid-stream
-                self.cancelled.set()
+            if not context.is_active():     # the client went away: stop producing
                 return
             last = i == len(self.words) - 1
             for idx in range(n):
@@ -48,8 +50,10 @@ class ScriptedGeneration(pb_grpc.GenerationServicer):
                     r.finish_reason = pb.FINISH_REASON_LENGTH
                     r.usage.CopyFrom(pb.Usage(prompt_tokens=5, completion_tokens=len(self.words),
                                               cached_prompt_tokens=2))
+                    ended.append(True)
                 yield r
             if self.fail_after_first:
+                ended.append(True)
                 context.abort(grpc.StatusCode.UNAVAILABLE, "worker died")
 
 
@@ -138,6 +142,7 @@ def test_async_client_streams_retries_and_cancels(scripted):
     async def go():
         async with AsyncPagodaClient(target, retries=2, backoff=0.01) as c:
             texts = [ch.text async for ch in c.generate("x")]
+            assert not svc.cancelled.is_set()
             svc.delay = 0.3
             stream = c.generate("y")
             first = await stream.__anext__()
