@@ -178,10 +178,20 @@ def test_runner_attributes_and_block_sizing(tiny_model):
         ModelRunner(EngineConfig(model=tiny_model, device="cpu", max_model_len=4096))
 
 
-def test_bad_checkpoints_and_backends_are_named(tiny_model, tmp_path):
-    import shutil
+def test_backend_dispatch(monkeypatch):
+    from gpu_worker.attention import select_backend
+    from kernels.reference import paged_attention_ref, write_kv_cache_ref
+    cpu = torch.device("cpu")
+    assert select_backend("auto", cpu) == select_backend("torch", cpu) == (write_kv_cache_ref, paged_attention_ref)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention_backend"):
-        ModelRunner(EngineConfig(model=tiny_model, device="cpu", attention_backend="triton"))
+        select_backend("triton", cpu)
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_backend("cuda-graphs", cpu)
+
+
+def test_bad_checkpoints_are_named(tiny_model, tmp_path):
+    import shutil
     with pytest.raises(ValueError, match="config.json"):
         ModelRunner(EngineConfig(model=str(tmp_path), device="cpu"))
     broken = tmp_path / "broken"
@@ -218,3 +228,41 @@ def test_cuda_runner_matches_cpu(tiny_model_factory):
         a = cpu.forward([req("x", ids[:40], 0, [3, 7, 1]), req("y", ids, 0, [4, 8, 2, 5])])
         b = gpu.forward([req("x", ids[:40], 0, [3, 7, 1]), req("y", ids, 0, [4, 8, 2, 5])]).cpu()
         assert_close_rel(b, a, rel=1e-3)
+
+
+_TRITON_TWIN = """
+import random, sys, torch
+from gpu_worker.config import EngineConfig
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.outputs import ScheduledRequest
+from gpu_worker.sampling_params import SamplingParams
+outs = []
+for backend in ("torch", "triton"):
+    r = ModelRunner(EngineConfig(model=sys.argv[1], device="cpu", block_size=8, attention_backend=backend))
+    r.allocate_kv_cache(16)
+    assert r.attend_fn.__name__ == "paged_attention_" + ("ref" if backend == "torch" else "triton")
+    rng = random.Random(0)
+    a = [rng.randrange(5, r.vocab_size) for _ in range(21)]
+    b = [rng.randrange(5, r.vocab_size) for _ in range(9)]
+    p = SamplingParams()
+    step1 = r.forward([ScheduledRequest("a", a[:16], 0, [3, 5, 7], False, p, a, []),
+                       ScheduledRequest("b", b, 0, [1, 2], True, p, b, [])])
+    step2 = r.forward([ScheduledRequest("a", a[16:], 16, [3, 5, 7], True, p, a, []),
+                       ScheduledRequest("b", [4], 9, [1, 2], True, p, b, [4])])
+    outs.append(torch.cat([step1, step2]))
+err, scale = (outs[0] - outs[1]).abs().max().item(), outs[0].abs().max().item()
+assert err <= 1e-4 * scale, (err, scale)
+print("ok", err)
+"""
+
+
+def test_triton_backend_matches_torch_under_interpreter(tiny_model_factory):
+    """CPU twin of the CUDA path: the runner wired to the Triton kernels, run by Triton's interpreter."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("PAGODA_ATTENTION", None)
+    res = subprocess.run([sys.executable, "-c", _TRITON_TWIN, tiny_model_factory("qwen3")], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
