@@ -33,9 +33,14 @@ class ModelRunner:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.vocab_size = int(self.hf_config.vocab_size)
         limit = int(self.hf_config.max_position_embeddings)
+        window = self._sliding_window()
+        if window and window < limit:
+            # Attention here is always full; within the window that is exactly what the model does.
+            log.warning("sliding_window %d: serving at most %d tokens per sequence", window, window)
+            limit = window
         if config.max_model_len is not None and not 0 < config.max_model_len <= limit:
             raise ValueError(f"max_model_len: must be in [1, {limit}] for this checkpoint "
-                             f"(max_position_embeddings), got {config.max_model_len}")
+                             f"(max_position_embeddings or sliding_window), got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
         self.eos_token_ids = self._eos_token_ids()
         self.block_size = config.block_size
@@ -50,6 +55,13 @@ class ModelRunner:
         # Generators of requests that left the batch, kept a while: a preempted request comes
         # back for recompute and must continue its random stream, not restart it.
         self._parked: OrderedDict[str, torch.Generator] = OrderedDict()
+
+    def _sliding_window(self) -> int | None:
+        c = self.hf_config
+        window = getattr(c, "sliding_window", None)
+        if not window or (c.model_type != "mistral" and not getattr(c, "use_sliding_window", False)):
+            return None
+        return int(window)
 
     def _eos_token_ids(self) -> list[int]:
         ids: list[int] = []

@@ -190,6 +190,17 @@ def test_backend_dispatch(monkeypatch):
         select_backend("cuda-graphs", cpu)
 
 
+def test_sliding_window_caps_max_model_len(tiny_model_factory):
+    path = tiny_model_factory("mistral", seed=1, sliding_window=256)
+    r = ModelRunner(EngineConfig(model=path, device="cpu"))
+    assert r.max_model_len == 256
+    with pytest.raises(ValueError, match="max_model_len"):
+        ModelRunner(EngineConfig(model=path, device="cpu", max_model_len=300))
+    # Qwen2 declares a window but does not use it unless use_sliding_window is set.
+    q = ModelRunner(EngineConfig(model=tiny_model_factory("qwen2", seed=1, sliding_window=256), device="cpu"))
+    assert q.max_model_len == 1024
+
+
 def test_bad_checkpoints_are_named(tiny_model, tmp_path):
     import shutil
     with pytest.raises(ValueError, match="config.json"):
