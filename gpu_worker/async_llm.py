@@ -65,7 +65,7 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.engine.validate_request(request_id, prompt_token_ids, params, priority, cache_salt,
                                      adapter, check_id=False)
-        if self.engine.scheduler.num_waiting() + self._adds_in_flight >= self.config.max_waiting:
+        if self._num_queued() >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         stream = _Stream(asyncio.get_running_loop(), params.n)
         self._streams[request_id] = stream
@@ -89,6 +89,13 @@ class AsyncLLM:
                 del self._streams[request_id]
             if not done:
                 self._commands.put(("abort", request_id, False))
+
+    def _num_queued(self) -> int:
+        """Requests that would wait: the engine's queue plus adds still crossing over, less
+        the free sequence slots those adds can take at once."""
+        s = self.engine.scheduler
+        free_slots = max(0, s.max_num_seqs - len(s.running))
+        return s.num_waiting() + max(0, self._adds_in_flight - free_slots)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a live request; its stream ends with finish_reason "abort"."""
