@@ -276,3 +276,26 @@ def test_stats_track_running_waiting_and_preemptions(tiny_llm_factory):
     s = engine.stats()
     assert s.preemptions > 0 and s.generation_tokens == 2 + 88
     assert (s.running, s.waiting, s.kv_usage) == (0, 0, 0.0)
+
+
+def test_offline_generate_with_one_bad_prompt_raises_and_leaves_engine_clean(llm):
+    good = rand_ids(10, 30)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([good, [], good], SamplingParams(max_tokens=4, **GREEDY))
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([good, good], [SamplingParams()])
+    outs = llm.generate([good, good], SamplingParams(max_tokens=4, ignore_eos=True, **GREEDY))
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_priority_policy_serves_lower_value_first(tiny_llm_factory):
+    llm = tiny_llm_factory("llama", num_kv_blocks=64, max_num_seqs=1, scheduling_policy="priority")
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=3, ignore_eos=True, **GREEDY)
+    for rid, prio in [("late", 5), ("urgent", -1), ("normal", 0)]:
+        engine.add_request(rid, rand_ids(8, 40), sp, priority=prio)
+    finished = [d.request_id for d in run_engine(engine) if d.finished]
+    assert finished == ["urgent", "normal", "late"]
+    with pytest.raises(ValueError, match="priority"):
+        engine.add_request("x", [5], sp, priority="high")
