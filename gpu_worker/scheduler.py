@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Iterable, Optional
+from typing import Iterable
 
 from gpu_worker.kv_cache_manager import KVCacheManager
 from gpu_worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -181,9 +181,6 @@ class Scheduler:
             self.finished_req_ids.add(req_id)
             done.append(req)
         return done
-
-    def get_request(self, req_id: str) -> Optional[Request]:
-        return self.requests.get(req_id)
 
     def num_waiting(self) -> int:
         return len(self.waiting)
