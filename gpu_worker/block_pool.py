@@ -138,6 +138,13 @@ class BlockPool:
                     b.block_hash = None    # a duplicate: nothing can ever find it
                 self.free_queue.append(b)
 
+    def reset_cache(self) -> None:
+        """Forget every cached hash; only for a pool whose blocks are all free."""
+        for h, b in self.cached.items():
+            b.block_hash = None
+            self.events.append(("removed", h))
+        self.cached.clear()
+
     def take_events(self) -> list[tuple[str, bytes]]:
         events, self.events = self.events, []
         return events

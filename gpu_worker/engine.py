@@ -148,7 +148,14 @@ class LLMEngine:
             # Nothing fits this step; the runner hears about departures next time.
             self.scheduler.finished_req_ids |= out.finished_req_ids
             return deltas
-        result: ModelRunnerOutput = self.runner.execute(out)
+        try:
+            result: ModelRunnerOutput = self.runner.execute(out)
+        except Exception:
+            # This step's full blocks were named before their KV was written, so the cache
+            # can no longer be trusted: end every request and start it clean.
+            self.abort_request(list(self.children))
+            self.kv.pool.reset_cache()
+            raise
         for req in self.scheduler.update_from_output(out, result):
             deltas.append(self._on_token(req))
         return deltas

@@ -156,3 +156,27 @@ def test_queue_full_is_refused(tiny_model):
             await collect(eng.generate("late", [5], sp))
 
     asyncio.run(main())
+
+
+def test_failed_step_fails_its_streams_and_engine_recovers(engine):
+    runner = engine.engine.runner
+    real = runner.execute
+
+    def broken(out):
+        runner.execute = real
+        raise RuntimeError("device lost")
+
+    async def main():
+        sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        prompt = rand_ids(40, 9)
+        want = await collect(engine.generate("before", prompt, sp))
+        runner.execute = broken
+        with pytest.raises(RuntimeError, match="device lost"):
+            await collect(engine.generate("victim", prompt, sp))
+        await wait_idle(engine)
+        # The cache was reset, so nothing half-written is reused; results are unchanged.
+        assert engine.cached_block_hashes() == []
+        after = await collect(engine.generate("after", prompt, sp))
+        assert [d.token_ids for d in after] == [d.token_ids for d in want]
+
+    asyncio.run(main())
