@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
 
 import torch
 
@@ -19,8 +18,6 @@ from gpu_worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOut
 from gpu_worker.sampler import Sampler, SamplingRow
 
 log = logging.getLogger(__name__)
-
-_PARKED_GENERATORS = 4096
 
 
 class ModelRunner:
@@ -51,10 +48,6 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(self.eos_token_ids)
-        self.generators: dict[str, torch.Generator] = {}
-        # Generators of requests that left the batch, kept a while: a preempted request comes
-        # back for recompute and must continue its random stream, not restart it.
-        self._parked: OrderedDict[str, torch.Generator] = OrderedDict()
 
     def _sliding_window(self) -> int | None:
         c = self.hf_config
@@ -199,12 +192,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in out.finished_req_ids:
-            gen = self.generators.pop(rid, None)
-            if gen is not None:
-                self._parked[rid] = gen
-                while len(self._parked) > _PARKED_GENERATORS:
-                    self._parked.popitem(last=False)
         if not out.scheduled:
             return ModelRunnerOutput(sampled_token_ids={})
         logits = self.forward(out.scheduled)
@@ -212,25 +199,10 @@ class ModelRunner:
         if not samplers:
             return ModelRunnerOutput(sampled_token_ids={})
         rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
-                            self._generator(s)) for s in samplers]
+                            s.generator) for s in samplers]
         tokens, logprobs = self.sampler(logits, rows)
         result = ModelRunnerOutput(sampled_token_ids={s.req_id: t for s, t in zip(samplers, tokens)})
         for s, lp in zip(samplers, logprobs):
             if lp is not None:
                 result.logprobs[s.req_id] = lp
         return result
-
-    def _generator(self, s: ScheduledRequest):
-        """The caller's generator if it passed one, else ours, seeded when the request is first seen."""
-        if s.generator is not None:
-            return s.generator
-        if s.sampling_params.seed is None:
-            return None
-        gen = self.generators.get(s.req_id)
-        if gen is None:
-            parked = self._parked.pop(s.req_id, None)
-            # A recompute (it has outputs already) continues its stream; a new request reseeds.
-            gen = parked if parked is not None and s.output_token_ids else \
-                torch.Generator(device=self.device).manual_seed(s.sampling_params.seed)
-            self.generators[s.req_id] = gen
-        return gen
