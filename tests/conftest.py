@@ -1,8 +1,9 @@
 """Shared pytest setup: fixtures live in tests/plugins/, one module per area."""
 import os
 
-# Keep torch to the machine's size so parallel test processes do not thrash.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# One torch thread per process: tests run several processes (workers, routers) on 2 cores,
+# and oversubscribed torch threads are many times slower than one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 pytest_plugins = [
     "tests.plugins.kernels",
