@@ -209,6 +209,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check(q, k_cache, v_cache, block_tables, query_start_loc, num_seqs)
     if out is None:
         out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"out: expected shape {tuple(q.shape)} with a contiguous last axis")
     if num_tokens == 0 or num_seqs == 0:
         return out
     cfg = launch_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,

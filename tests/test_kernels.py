@@ -101,6 +101,8 @@ def test_attention_rejects_bad_shapes():
         paged_attention_triton(**{**b, "q": b["q"][:, :3]})
     with pytest.raises(ValueError, match="block_tables"):
         paged_attention_triton(**{**b, "block_tables": b["block_tables"][0]})
+    with pytest.raises(ValueError, match="out"):
+        paged_attention_triton(**b, out=torch.empty(1, 4, 32))
 
 
 def run_cache_write(dtype, cache_dtype, bs, device):
