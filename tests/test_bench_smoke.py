@@ -1,0 +1,65 @@
+"""Smoke tests: bench/engine.py and bench/prefix.py --quick still run end to end and report
+sane figures (the recorded numbers live in bench/RESULTS.md, not here)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(script: str, *args: str, timeout: float = 120) -> str:
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", script), "--quick", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def table_rows(text: str, first_header: str) -> list[dict[str, str]]:
+    """The markdown table whose first column is `first_header`, as dicts."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    start = next(i for i, ln in enumerate(lines) if ln.split("|")[1].strip() == first_header)
+    headers = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows = []
+    for ln in lines[start + 2:]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        if len(cells) != len(headers):
+            break
+        rows.append(dict(zip(headers, cells)))
+    return rows
+
+
+def pct(s: str) -> float:
+    return float(s.rstrip("%"))
+
+
+@pytest.mark.timeout(90)
+def test_engine_quick(tmp_path):
+    out = run_script("engine.py", "--model-dir", str(tmp_path / "model"), "--json", str(tmp_path / "r.json"))
+    rows = {r["system"]: r for r in table_rows(out, "system")}
+    assert set(rows) == {"pagoda", "hf-cb", "hf-static"}
+    for r in rows.values():
+        assert float(r["output tok/s"]) > 0
+        assert 0 < pct(r["KV util"]) <= 100
+        assert 0 < pct(r["pool occupancy"]) <= 100
+        assert int(r["steps"]) > 0
+    assert rows["pagoda"]["pagoda ×"] == "1.00"
+    # Paged KV wastes at most the tail of each request's last block; a static batch
+    # reserves every row's maximum length up front.
+    assert pct(rows["pagoda"]["KV util"]) > pct(rows["hf-static"]["KV util"])
+    # Greedy decoding of the same weights: transformers' paged engine agrees with pagoda.
+    assert pct(rows["hf-cb"]["same tokens as pagoda"]) >= 90
+
+
+@pytest.mark.timeout(90)
+def test_prefix_quick(tmp_path):
+    out = run_script("prefix.py", "--model-dir", str(tmp_path / "model"))
+    rows = {(r["arrival"], r["prefix caching"]): r for r in table_rows(out, "arrival")}
+    assert set(rows) == {(a, c) for a in ("sequential", "burst") for c in ("on", "off")}
+    for (arrival, caching), r in rows.items():
+        assert float(r["TTFT all mean (ms)"]) > 0
+        if caching == "off":
+            assert pct(r["prefix hit rate"]) == 0
+    # Every request after the first finds the 128-token system prompt cached.
+    assert pct(rows[("sequential", "on")]["prefix hit rate"]) > 50
