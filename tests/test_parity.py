@@ -1,9 +1,9 @@
 """Greedy parity with transformers: the engine's token ids equal `generate`'s, prompt by prompt.
 
 Per family, 16 prompts of 1 to 300 tokens (some sharing long prefixes) generate 32 to 128
-tokens each, batched together, under three engine set-ups that between them cover block
-sizes 8, 16 and 32, prefix caching on and off, chunked prefill, and a pool so small that
-requests are preempted and recomputed. The reference is computed once per family, one
+tokens each, batched together, under every engine set-up of: block size 8, 16 or 32; a large
+pool or one so small that requests are preempted and recomputed; prefix caching on or off.
+The small pools also prefill in chunks (a small token budget per step). The reference is computed once per family, one
 prompt at a time, unpadded, in fp32.
 """
 import random
@@ -20,9 +20,9 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 LENGTHS = [1, 300, 2, 17, 160, 31, 64, 5, 100, 250, 16, 45, 200, 8, 128, 90]
 # name: (block_size, small pool?, prefix caching, max_num_batched_tokens)
 SETUPS = {
-    "bs16-large-cached": (16, False, True, None),
-    "bs8-small-cached-chunked": (8, True, True, 64),
-    "bs32-small-uncached": (32, True, False, 256),
+    f"bs{bs}-{'small' if small else 'large'}-{'cached' if caching else 'uncached'}":
+        (bs, small, caching, 64 if small else None)
+    for bs in (8, 16, 32) for small in (False, True) for caching in (True, False)
 }
 
 
