@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         per_prompt = a.system_tokens // BLOCK + 2
         a.num_kv_blocks = (a.prompts + 1) // 2 * per_prompt + a.concurrency * 4 + 8
     policies = [p for p in a.policies.split(",") if p]
-    model = a.model or default_model(DEFAULT_CACHE)
+    # A copy of its own: tests that rebuild the shared cache must not pull it from under running workers.
+    model = a.model or default_model(DEFAULT_CACHE / "bench")
     print(f"# e2e: {' '.join(sys.argv)}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({os.cpu_count()} CPUs), model {Path(model).name}, "
           f"{a.prompts} prompts x {a.per_prompt}, ~{a.system_tokens} system tokens, max_tokens {a.max_tokens}, "
