@@ -16,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import pytest
+
+from clients.up import wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 _LISTEN = re.compile(r"listening on [^\s]+:(\d+)")
@@ -67,19 +68,10 @@ class WorkerHandle:
                 raise TimeoutError(f"worker did not start in {timeout}s:\n{self.log()[-4000:]}")
             else:
                 time.sleep(0.1)
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-        with grpc.insecure_channel(self.address) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while True:
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"worker not SERVING in {timeout}s:\n{self.log()[-4000:]}")
-                time.sleep(0.1)
+        try:
+            wait_serving(self.address, self.proc, "worker", max(deadline - time.monotonic(), 0.1))
+        except (RuntimeError, TimeoutError) as e:
+            raise type(e)(f"{e}:\n{self.log()[-4000:]}") from None
 
     def signal(self, sig=signal.SIGTERM) -> None:
         if self.proc.poll() is None:
