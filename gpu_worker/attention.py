@@ -7,7 +7,6 @@ lazily: they need a GPU), "auto" Triton on CUDA and torch elsewhere.
 from __future__ import annotations
 
 import os
-import os
 from dataclasses import dataclass
 from typing import Callable
 

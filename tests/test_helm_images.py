@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 import yaml

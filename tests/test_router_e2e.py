@@ -5,7 +5,6 @@ the kill -9 test, which ends a worker, runs last.
 """
 from __future__ import annotations
 
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
