@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -26,6 +27,8 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
+
+import redis
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-slo", type=float, default=0.5, help="goodput counts requests with TTFT within this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--redis-url", default=None, help="use this Redis (it is FLUSHDBed!) instead of starting one")
-    p.add_argument("--plot", default=None, help="directory for PNG plots")
+    p.add_argument("--plot", default=None, help="directory for PNG plots (default bench/; none with --quick)")
     p.add_argument("--json", default=None, help="write every result here")
     return p
 
@@ -94,7 +97,6 @@ class LocalRedis:
 
 
 def run_one(a, redis_url: str, loop, workload: str, num_workers: int, policy: str) -> Result:
-    import redis
     redis.Redis.from_url(redis_url).flushdb()
     cfg = SimConfig(block_size=a.block_size, num_blocks=a.num_blocks, publish_interval_s=a.publish_interval,
                     heartbeat_s=a.heartbeat, ttft_slo_s=a.ttft_slo)
@@ -163,10 +165,12 @@ def plot(results: list[Result], out_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(out_dir, exist_ok=True)
-    workloads = sorted({r.workload for r in results}, key=WORKLOADS.index)
     paths = []
     for metric, label, fname in (("hit_rate", "prefix hit rate (token-weighted)", "routing_hit_rate.png"),
                                  ("ttft_p99", "simulated TTFT p99 (s)", "routing_ttft_p99.png")):
+        # A workload where nothing can hit has no hit-rate curve worth a panel.
+        workloads = sorted({r.workload for r in results if metric != "hit_rate" or
+                            any(x.hit_rate for x in results if x.workload == r.workload)}, key=WORKLOADS.index)
         fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.4), squeeze=False)
         for ax, wl in zip(axes[0], workloads):
             for pol in POLICIES:
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     t0 = time.perf_counter()
-    with (LocalRedis() if a.redis_url is None else _given(a.redis_url)) as url:
+    with LocalRedis() if a.redis_url is None else contextlib.nullcontext(a.redis_url) as url:
         for wl in workloads:
             for n in sizes:
                 for pol in policies:
@@ -211,24 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     loop.close()
     print(f"\n{len(results)} runs in {time.perf_counter() - t0:.1f} s wall")
     print("\n" + "\n".join(check_targets(results)))
-    if a.plot:
-        for path in plot(results, a.plot):
+    plot_dir = a.plot or (None if a.quick else os.path.dirname(os.path.abspath(__file__)))
+    if plot_dir:
+        for path in plot(results, plot_dir):
             print(f"plot: {path}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
     return 0
-
-
-class _given:
-    def __init__(self, url: str):
-        self.url = url
-
-    def __enter__(self) -> str:
-        return self.url
-
-    def __exit__(self, *exc) -> None:
-        pass
 
 
 if __name__ == "__main__":
