@@ -67,7 +67,6 @@ class Publisher:
     async def _run(self) -> None:
         backoff = 0.05
         while True:
-            self._drain()
             try:
                 await self._publish()
                 if not self.connected:
@@ -91,15 +90,23 @@ class Publisher:
 
     async def _publish(self) -> None:
         now = time.monotonic()
+        snapshot, heartbeat = now >= self._next_snapshot, now >= self._next_heartbeat
+        await self.publish_once(heartbeat, snapshot)
+        if snapshot:
+            self._next_snapshot = now + self.snapshot_s
+        if heartbeat:
+            self._next_heartbeat = now + self.heartbeat_s
+
+    async def publish_once(self, heartbeat: bool, snapshot: bool) -> None:
+        """One round: pending events, then the snapshot (when due or owed), then the lease.
+        The snapshot goes before the lease so that a router that sees the lease can sync at once."""
+        self._drain()
         if self.pending:
             await self._push_events()
-        # Snapshot before the lease, so a router that sees the lease can sync at once.
-        if self.need_snapshot or now >= self._next_snapshot:
+        if snapshot or self.need_snapshot:
             await self._snapshot()
-            self._next_snapshot = now + self.snapshot_s
-        if now >= self._next_heartbeat:
+        if heartbeat:
             await self._heartbeat()
-            self._next_heartbeat = now + self.heartbeat_s
 
     async def _push_events(self) -> None:
         batch = rs.EventBatch(self.worker_id, self.epoch, self.seq + 1, self.pending)

@@ -80,13 +80,12 @@ class Cluster:
                     for w in self.workers.values():
                         w.seq, w.next_resync = None, 0.0
                 now = time.monotonic()
-                if now >= next_poll:
-                    await self._poll_leases()
-                    await self._resync_due()
-                    self.index.expire_speculation()
+                poll = now >= next_poll
+                if poll:
                     next_poll = now + self.lease_poll_s
+                await self.sync_once(poll, block_ms=int(self.lease_poll_s * 1000))
+                if poll:
                     self._synced.set()
-                await self._read_streams(block_ms=int(self.lease_poll_s * 1000))
             except asyncio.CancelledError:
                 raise
             except _ERRORS as e:
@@ -95,6 +94,15 @@ class Cluster:
                 self.connected = False
                 await asyncio.sleep(backoff * (0.5 + random.random() / 2))
                 backoff = min(backoff * 2, 2.0)
+
+    async def sync_once(self, poll_leases: bool, block_ms: int | None, now: float | None = None) -> None:
+        """One round: leases and due resyncs (when poll_leases), then new stream entries.
+        block_ms=None reads without blocking; `now` is the clock for speculation expiry."""
+        if poll_leases:
+            await self._poll_leases()
+            await self._resync_due()
+            self.index.expire_speculation(now)
+        await self._read_streams(block_ms)
 
     async def _poll_leases(self) -> None:
         keys = [k async for k in self._redis.scan_iter(match=rs.LEASE_PATTERN, count=1000)]
@@ -167,9 +175,10 @@ class Cluster:
             start = "(" + rs._text(entries[-1][0])
         log.info("router: synced worker %s: %d blocks", w.id, self.index.blocks_of(w.id))
 
-    async def _read_streams(self, block_ms: int) -> None:
+    async def _read_streams(self, block_ms: int | None) -> None:
         if not self.cursors:
-            await asyncio.sleep(block_ms / 1000)
+            if block_ms:
+                await asyncio.sleep(block_ms / 1000)   # nothing to wait on yet: pace the loop
             return
         keys = {rs.events_key(m): m for m in self.cursors}
         reply = await self._redis.xread({k: self.cursors[m] for k, m in keys.items()},

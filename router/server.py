@@ -58,10 +58,10 @@ class RouterService(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         policy = self.scorer.policy
         try:
-            model, workers = self._model_and_workers(request.model)
+            model, workers = self.candidates(request.model)
             t0 = time.perf_counter()
             token_ids = await self._prompt_ids(model, workers, request)
-            ranked, hashes = self._rank(model, workers, request, token_ids)
+            ranked, hashes = self.rank(model, workers, request, token_ids)
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         except _Reject as r:
             self.metrics.decisions.labels(policy, "rejected").inc()
@@ -141,14 +141,14 @@ class RouterService(pb_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context):
         try:
-            model, workers = self._model_and_workers(request.model)
+            model, workers = self.candidates(request.model)
             return await self._model_info(model, workers)
         except _Reject as r:
             await context.abort(r.code, r.message)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
-            model, workers = self._model_and_workers(request.model)
+            model, workers = self.candidates(request.model)
             tok = await self._tokenizer(model, workers)
             if request.HasField("text") == bool(request.messages):
                 raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, "text/messages: exactly one must be given")
@@ -160,7 +160,8 @@ class RouterService(pb_grpc.GenerationServicer):
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _model_and_workers(self, model: str) -> tuple[str, list[WorkerState]]:
+    def candidates(self, model: str) -> tuple[str, list[WorkerState]]:
+        """The model a request names (or the only one served) and its live workers."""
         models = self.cluster.models()
         if not model:
             if len(models) > 1:
@@ -185,7 +186,8 @@ class RouterService(pb_grpc.GenerationServicer):
         gen_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         return _encode(tok, request.HasField("text") and request.text, request.messages, gen_prompt)
 
-    def _rank(self, model, workers, request, token_ids):
+    def rank(self, model, workers, request, token_ids):
+        """The routing decision, with no I/O: candidates best first, and the prompt's block hashes."""
         root = namespace_root(model, request.adapter, request.cache_salt)
         hashes = block_hashes(token_ids, workers[0].lease.block_size, root)
         allowed = [w for w in workers if not self.breaker.is_open(w.id)] or workers

@@ -39,17 +39,7 @@ class RedisBus:
         self.loop.run_until_complete(self._all(heartbeat, snapshot))
 
     async def _all(self, heartbeat: bool, snapshot: bool) -> None:
-        await asyncio.gather(*(self._one(p, heartbeat, snapshot) for p in self.pubs))
-
-    @staticmethod
-    async def _one(p: Publisher, heartbeat: bool, snapshot: bool) -> None:
-        p._drain()
-        if p.pending:
-            await p._push_events()
-        if heartbeat:
-            await p._heartbeat()
-        if snapshot or p.need_snapshot:
-            await p._snapshot()
+        await asyncio.gather(*(p.publish_once(heartbeat, snapshot) for p in self.pubs))
 
     def close(self) -> None:
         self.loop.run_until_complete(self.client.aclose())

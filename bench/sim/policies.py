@@ -46,20 +46,16 @@ class RouterPolicy:
         self.loop.run_until_complete(self._sync(now))
 
     async def _sync(self, now: float) -> None:
-        c = self.cluster
-        if now >= self._next_poll:
-            await c._poll_leases()
-            await c._resync_due()
-            self.index.expire_speculation(now)
+        poll = now >= self._next_poll
+        if poll:
             self._next_poll = now + self.lease_poll_s
-        if c.cursors:
-            await c._read_streams(block_ms=None)   # None: XREAD without BLOCK
+        await self.cluster.sync_once(poll, block_ms=None, now=now)   # None: XREAD without BLOCK
 
     def choose(self, req, now: float) -> tuple[int, int, int]:
         """(worker index, wall ns, this thread's CPU ns) for one decision."""
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        model, workers = self.service._model_and_workers(MODEL)
-        ranked, hashes = self.service._rank(model, workers, self._request, req.prompt)
+        model, workers = self.service.candidates(MODEL)
+        ranked, hashes = self.service.rank(model, workers, self._request, req.prompt)
         best = ranked[0]
         best.worker.credit(req.rid, len(req.prompt) - best.cached_tokens, time.time())
         self.index.speculate(best.worker.id, hashes, now)
