@@ -105,8 +105,8 @@ def sharegpt_like(num_requests: int, vocab_size: int, seed: int = 0, scale: floa
     prompts share no prefix, so prefix caching neither helps nor hurts.
     """
     rng = random.Random(seed)
-    pd = LengthDist(100 * scale, 0.8, max(4, int(8 * scale)), max(8, int(640 * scale)))
-    od = LengthDist(100 * scale, 0.7, max(2, int(8 * scale)), max(4, int(384 * scale)))
+    pd = LengthDist(64 * scale, 0.8, max(4, int(8 * scale)), max(8, int(512 * scale)))
+    od = LengthDist(64 * scale, 0.7, max(2, int(8 * scale)), max(4, int(256 * scale)))
     reqs = []
     for _ in range(num_requests):
         n_prompt, n_out = pd.draw(rng), od.draw(rng)

@@ -134,7 +134,7 @@ def main(argv=None) -> None:
         prompts = make_requests(plen, max(3, n // 2), vocab, args.seed + 100 + i)
         for caching in (True, False):
             t = sequential(engines[caching], prompts, params, f"sweep{plen}-{caching}")
-            curve[caching].append(statistics.mean(t[1:]))
+            curve[caching].append(statistics.median(t[1:]))
     del engines
     gc.collect()
 
@@ -149,7 +149,7 @@ def main(argv=None) -> None:
     print(table)
     if sweep:
         print()
-        print(markdown_table(["shared prefix tokens", "TTFT caching on (ms)", "TTFT caching off (ms)", "speed-up"],
+        print(markdown_table(["shared prefix tokens", "TTFT median, caching on (ms)", "TTFT median, caching off (ms)", "speed-up"],
                              [[p, f"{1000 * a:.0f}", f"{1000 * b:.0f}", f"{b / a:.2f}"]
                               for p, a, b in zip(sweep, curve[True], curve[False])]))
     plot_path = args.plot or (None if args.quick or not sweep else os.path.join(os.path.dirname(__file__),
@@ -162,7 +162,7 @@ def main(argv=None) -> None:
         ax.plot(sweep, [1000 * x for x in curve[False]], "o-", label="prefix caching off")
         ax.plot(sweep, [1000 * x for x in curve[True]], "o-", label="prefix caching on (warm)")
         ax.set_xlabel("shared system-prompt tokens (+ 32-96 unique tokens per request)")
-        ax.set_ylabel("time to first token (ms, mean)")
+        ax.set_ylabel("time to first token (ms, median)")
         ax.set_title("TTFT of one request at a time, 8-layer 512-hidden Llama, CPU")
         ax.legend()
         ax.grid(alpha=0.3)
