@@ -10,7 +10,7 @@ Three systems, one process, one model, one seeded ShareGPT-like workload (ignore
 Prints a markdown table: output tokens/s, pagoda's ratio to each peer, KV utilisation
 (tokens stored / slots allocated, sampled every step) and pool occupancy.
 
-    python bench/engine.py            # the recorded run (~10 min on 2 cores)
+    python bench/engine.py            # the recorded run (about 11 min on 2 cores)
     python bench/engine.py --quick    # smoke run, seconds
 """
 from __future__ import annotations
