@@ -40,8 +40,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's paged KV; returns [T, Hq, D].
 
-    Single-token queries (decode) go through one padded, masked SDPA call together; longer ones
-    (prefill chunks) one call each. A Python loop over decodes made attention two thirds of a
+    Single-token queries (decode) are computed together in one flat pass; longer ones (prefill
+    chunks) with one SDPA call each. A Python loop over decodes made attention two thirds of a
     CPU decode step.
     """
     if out is None:
@@ -52,7 +52,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     decodes = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
     if decodes:
         _decode_batched(q, k_cache, v_cache, block_tables, decodes, [starts[s] for s in decodes],
-                        [lens[s] for s in decodes], scale, gqa, out)
+                        [lens[s] for s in decodes], scale, out)
     for s, seq_len in enumerate(lens):
         q_len = starts[s + 1] - starts[s]
         if q_len <= 1:
@@ -70,25 +70,42 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-def _decode_batched(q, k_cache, v_cache, block_tables, seqs, rows, lens, scale, gqa, out) -> None:
-    """One query token per sequence: gather every sequence's KV padded to the longest, mask the
-    padding, one SDPA call."""
-    block_size = k_cache.shape[1]
-    max_len = max(lens)
-    tables = block_tables[seqs, :-(-max_len // block_size)].long()
-    lens_t = torch.tensor(lens, device=q.device)
-    valid = torch.arange(max_len, device=q.device)[None, :] < lens_t[:, None]      # [S, L]
-
-    def gather(cache):
-        kv = cache[tables].flatten(1, 2)[:, :max_len].float()                     # [S, L, Hkv, D]
-        # Padding may hold any bits (unused table entries, stale blocks): zero it so that a
-        # masked NaN cannot leak into the weighted sum.
-        return kv.masked_fill_(~valid[:, :, None, None], 0).transpose(1, 2)
-
-    rows_t = torch.tensor(rows, device=q.device)
-    o = F.scaled_dot_product_attention(q[rows_t].float().unsqueeze(2), gather(k_cache), gather(v_cache),
-                                       attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=gqa)
-    out[rows_t] = o.squeeze(2).to(out.dtype)
+def _decode_batched(q, k_cache, v_cache, block_tables, seqs, rows, lens, scale, out) -> None:
+    """One query token per sequence, all sequences at once and without padding to the longest:
+    gather every sequence's blocks into one run, score each block against its own sequence's
+    query with one batched matmul, then softmax and weighted sum per sequence (scatter max,
+    index_add). Only the unfilled tail of each last block is masked."""
+    dev = q.device
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs, num_q_heads, head_dim = len(seqs), q.shape[1], q.shape[2]
+    group = num_q_heads // num_kv_heads
+    nblocks = [-(-n // block_size) for n in lens]
+    seg = torch.repeat_interleave(torch.arange(num_seqs, device=dev), torch.tensor(nblocks, device=dev))
+    tables = block_tables[torch.tensor(seqs, device=dev)]
+    first = torch.cumsum(torch.tensor(nblocks, device=dev), 0) - torch.tensor(nblocks, device=dev)
+    which = torch.arange(seg.numel(), device=dev) - first[seg]          # block index within its sequence
+    block_ids = tables[seg, which].long()
+    # [B, Hkv, bs, D]: blocks copied whole, the cheap way to gather on a CPU.
+    k = k_cache.index_select(0, block_ids).float().transpose(1, 2)
+    v = v_cache.index_select(0, block_ids).float().transpose(1, 2)
+    rows_t = torch.tensor(rows, device=dev)
+    # Query head h reads KV head h // group, as in transformers' repeat_kv.
+    qs = q.index_select(0, rows_t).float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(k, qs.index_select(0, seg).transpose(-1, -2)) * scale    # [B, Hkv, bs, g]
+    token = which[:, None] * block_size + torch.arange(block_size, device=dev)[None, :]
+    valid = token < torch.tensor(lens, device=dev)[seg][:, None]                    # [B, bs]
+    scores.masked_fill_(~valid[:, None, :, None], float("-inf"))
+    block_peak = scores.amax(dim=2)                                                 # [B, Hkv, g]
+    peak = torch.full((num_seqs, num_kv_heads, group), float("-inf"), device=dev)
+    peak = peak.scatter_reduce(0, seg.view(-1, 1, 1).expand_as(block_peak), block_peak, "amax")
+    p = torch.exp(scores - peak.index_select(0, seg).unsqueeze(2))
+    # Padding may hold any bits (unused table entries, stale slots): zero V there so that a
+    # NaN cannot reach the sum through a zero weight.
+    v = v.masked_fill(~valid[:, None, :, None], 0)
+    denom = torch.zeros_like(peak).index_add_(0, seg, p.sum(dim=2))
+    o = torch.zeros(num_seqs, num_kv_heads, group, head_dim, device=dev)
+    o.index_add_(0, seg, torch.matmul(p.transpose(-1, -2), v))                       # [B, Hkv, g, D]
+    out[rows_t] = (o / denom.unsqueeze(-1)).view(num_seqs, num_q_heads, head_dim).to(out.dtype)
 
 
 def random_paged_batch(q_lens: list[int], seq_lens: list[int], num_q_heads: int, num_kv_heads: int,
