@@ -18,9 +18,7 @@ code path of the sweep runs once so a GPU run does not fail on a typo).
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import statistics
 import sys
 import time
 

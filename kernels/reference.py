@@ -74,7 +74,7 @@ def _decode_batched(q, k_cache, v_cache, block_tables, seqs, rows, lens, scale, 
     """One query token per sequence, all sequences at once and without padding to the longest:
     gather every sequence's blocks into one run, score each block against its own sequence's
     query with one batched matmul, then softmax and weighted sum per sequence (scatter max,
-    index_add). Only the unfilled tail of each last block is masked."""
+    index_add). Only the unfilled tail of each last block is masked: no padding to the longest."""
     dev = q.device
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs, num_q_heads, head_dim = len(seqs), q.shape[1], q.shape[2]
@@ -98,10 +98,9 @@ def _decode_batched(q, k_cache, v_cache, block_tables, seqs, rows, lens, scale, 
     block_peak = scores.amax(dim=2)                                                 # [B, Hkv, g]
     peak = torch.full((num_seqs, num_kv_heads, group), float("-inf"), device=dev)
     peak = peak.scatter_reduce(0, seg.view(-1, 1, 1).expand_as(block_peak), block_peak, "amax")
+    # Masked slots get weight exactly 0. Only the unfilled tail of a sequence's own last block
+    # is masked, and the pool's slots only ever hold zeros or computed K/V, so 0 * V stays 0.
     p = torch.exp(scores - peak.index_select(0, seg).unsqueeze(2))
-    # Padding may hold any bits (unused table entries, stale slots): zero V there so that a
-    # NaN cannot reach the sum through a zero weight.
-    v = v.masked_fill(~valid[:, None, :, None], 0)
     denom = torch.zeros_like(peak).index_add_(0, seg, p.sum(dim=2))
     o = torch.zeros(num_seqs, num_kv_heads, group, head_dim, device=dev)
     o.index_add_(0, seg, torch.matmul(p.transpose(-1, -2), v))                       # [B, Hkv, g, D]
