@@ -85,26 +85,38 @@ def _decode_batched(q, k_cache, v_cache, block_tables, seqs, rows, lens, scale, 
     first = torch.cumsum(torch.tensor(nblocks, device=dev), 0) - torch.tensor(nblocks, device=dev)
     which = torch.arange(seg.numel(), device=dev) - first[seg]          # block index within its sequence
     block_ids = tables[seg, which].long()
-    # [B, Hkv, bs, D]: blocks copied whole, the cheap way to gather on a CPU.
-    k = k_cache.index_select(0, block_ids).float().transpose(1, 2)
-    v = v_cache.index_select(0, block_ids).float().transpose(1, 2)
+    # [B, bs, Hkv, D]: blocks copied whole, the cheap way to gather on a CPU.
+    k = k_cache.index_select(0, block_ids).float()
+    v = v_cache.index_select(0, block_ids).float()
+    nb, heads = k.shape[0], num_kv_heads
     rows_t = torch.tensor(rows, device=dev)
     # Query head h reads KV head h // group, as in transformers' repeat_kv.
-    qs = q.index_select(0, rows_t).float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(k, qs.index_select(0, seg).transpose(-1, -2)) * scale    # [B, Hkv, bs, g]
+    qs = q.index_select(0, rows_t).float().view(num_seqs, heads, group, head_dim)
+    # One plain bmm per block scores every KV head against every query head; keeping the
+    # diagonal (matching heads) wastes Hkv x tiny flops but avoids transposed copies and
+    # thousands of tiny per-head matmuls, which dominate on a CPU.
+    cross = torch.bmm(k.view(nb, block_size * heads, head_dim),
+                      qs.index_select(0, seg).view(nb, heads * group, head_dim).transpose(1, 2))
+    scores = cross.view(nb, block_size, heads, heads, group).diagonal(dim1=2, dim2=3) * scale  # [B, bs, g, Hkv]
     token = which[:, None] * block_size + torch.arange(block_size, device=dev)[None, :]
     valid = token < torch.tensor(lens, device=dev)[seg][:, None]                    # [B, bs]
-    scores.masked_fill_(~valid[:, None, :, None], float("-inf"))
-    block_peak = scores.amax(dim=2)                                                 # [B, Hkv, g]
-    peak = torch.full((num_seqs, num_kv_heads, group), float("-inf"), device=dev)
+    scores.masked_fill_(~valid[:, :, None, None], float("-inf"))
+    peak = torch.full((num_seqs, group, heads), float("-inf"), device=dev)
+    block_peak = scores.amax(dim=1)                                                 # [B, g, Hkv]
     peak = peak.scatter_reduce(0, seg.view(-1, 1, 1).expand_as(block_peak), block_peak, "amax")
     # Masked slots get weight exactly 0. Only the unfilled tail of a sequence's own last block
     # is masked, and the pool's slots only ever hold zeros or computed K/V, so 0 * V stays 0.
-    p = torch.exp(scores - peak.index_select(0, seg).unsqueeze(2))
-    denom = torch.zeros_like(peak).index_add_(0, seg, p.sum(dim=2))
-    o = torch.zeros(num_seqs, num_kv_heads, group, head_dim, device=dev)
-    o.index_add_(0, seg, torch.matmul(p.transpose(-1, -2), v))                       # [B, Hkv, g, D]
-    out[rows_t] = (o / denom.unsqueeze(-1)).view(num_seqs, num_q_heads, head_dim).to(out.dtype)
+    p = torch.exp(scores - peak.index_select(0, seg).unsqueeze(1))
+    denom = torch.zeros_like(peak).index_add_(0, seg, p.sum(dim=1))                 # [S, g, Hkv]
+    # Weighted sum the same way: a block-diagonal [H*g, bs*H] weight matrix per block.
+    weights = torch.zeros(nb, heads, group, block_size, heads, device=dev)
+    weights.diagonal(dim1=1, dim2=4).copy_(p.permute(0, 2, 1, 3))
+    per_block = torch.bmm(weights.view(nb, heads * group, block_size * heads),
+                          v.view(nb, block_size * heads, head_dim))
+    o = torch.zeros(num_seqs, heads * group, head_dim, device=dev)
+    o.index_add_(0, seg, per_block)
+    o = o.view(num_seqs, heads, group, head_dim) / denom.permute(0, 2, 1).unsqueeze(-1)
+    out[rows_t] = o.view(num_seqs, num_q_heads, head_dim).to(out.dtype)
 
 
 def random_paged_batch(q_lens: list[int], seq_lens: list[int], num_q_heads: int, num_kv_heads: int,
