@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from gpu_worker.sampling_params import SamplingParams
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-from protos.tokenization import PromptTokenizer
+from protos.tokenization import PromptTokenizer, encode_prompt
 
 log = logging.getLogger("gpu_worker.server")
 
@@ -105,27 +105,15 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
             # Closing the engine stream is what aborts the request when the call was cancelled.
             await stream.aclose()
 
-    def _prompt_ids(self, request: pb.GenerateRequest) -> tuple[str, list[int]]:
-        """(the request field that carried the prompt, its token ids)."""
+    def _prompt_ids(self, request) -> tuple[str, list[int]]:
+        """(the field of a GenerateRequest or TokenizeRequest that carried the prompt, its ids)."""
         if request.model and request.model != self.model_name:
             raise _Invalid(f"model: unknown model {request.model!r}; this worker serves {self.model_name!r}")
-        if len(request.request_id) > MAX_REQUEST_ID_LEN:
+        if len(getattr(request, "request_id", "")) > MAX_REQUEST_ID_LEN:
             raise _Invalid(f"request_id: at most {MAX_REQUEST_ID_LEN} characters")
-        given = [name for name, present in (("text", request.HasField("text")), ("messages", bool(request.messages)),
-                                            ("token_ids", bool(request.token_ids))) if present]
-        if len(given) > 1:
-            raise _Invalid(f"{', '.join(given)}: give exactly one of text, messages or token_ids")
-        if not given:
-            raise _Invalid("prompt: give one of text, messages or token_ids; the prompt is empty")
-        if given[0] == "text":
-            if not request.text:
-                raise _Invalid("text: the prompt is empty")
-            return "text", self.tokenizer.encode_text(request.text)
-        if given[0] == "messages":
-            agp = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-            chat = [{"role": m.role, "content": m.content} for m in request.messages]
-            return "messages", self.tokenizer.encode_chat(chat, add_generation_prompt=agp)
-        return "token_ids", list(request.token_ids)
+        if request.HasField("text") and not request.text:
+            raise _Invalid("text: the prompt is empty")
+        return encode_prompt(self.tokenizer, request)
 
     def _observe(self, delta, t0: float, last: dict[int, float]) -> None:
         if self.metrics is None:
@@ -176,13 +164,8 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
                                     worker_id=self.worker_id)
 
     async def Tokenize(self, request, context):
-        req = pb.GenerateRequest(model=request.model, messages=request.messages)
-        if request.HasField("text"):
-            req.text = request.text
-        if request.HasField("add_generation_prompt"):
-            req.add_generation_prompt = request.add_generation_prompt
         try:
-            return pb.TokenizeResponse(token_ids=self._prompt_ids(req)[1])
+            return pb.TokenizeResponse(token_ids=self._prompt_ids(request)[1])
         except (_Invalid, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

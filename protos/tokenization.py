@@ -143,3 +143,30 @@ class PromptTokenizer:
             named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
             return named.get("default")
         return value if isinstance(value, str) else None
+
+
+def prompt_field(request) -> str:
+    """Which of text / messages / token_ids carries a GenerateRequest's (or TokenizeRequest's)
+    prompt; ValueError naming the fields when none or several are given."""
+    given = [name for name, present in (("text", request.HasField("text")),
+                                        ("messages", bool(request.messages)),
+                                        ("token_ids", bool(getattr(request, "token_ids", ()))))
+             if present]
+    if len(given) > 1:
+        raise ValueError(f"{', '.join(given)}: give exactly one of text/messages/token_ids")
+    if not given:
+        raise ValueError("prompt: give one of text, messages or token_ids; the prompt is empty")
+    return given[0]
+
+
+def encode_prompt(tokenizer: PromptTokenizer | None, request) -> tuple[str, list[int]]:
+    """(the field that carried the prompt, its token ids), as router and worker both read it.
+    The tokenizer is needed only for text and messages."""
+    field = prompt_field(request)
+    if field == "token_ids":
+        return field, list(request.token_ids)
+    if field == "text":
+        return field, tokenizer.encode_text(request.text)
+    agp = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+    chat = [{"role": m.role, "content": m.content} for m in request.messages]
+    return field, tokenizer.encode_chat(chat, add_generation_prompt=agp)

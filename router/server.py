@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from protos.block_hash import block_hashes, namespace_root
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-from protos.tokenization import PromptTokenizer
+from protos.tokenization import PromptTokenizer, encode_prompt, prompt_field
 from router.breaker import CircuitBreaker
 from router.cluster import Cluster
 from router.index import BlockIndex
@@ -149,12 +149,7 @@ class RouterService(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
             model, workers = self.candidates(request.model)
-            tok = await self._tokenizer(model, workers)
-            if request.HasField("text") == bool(request.messages):
-                raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, "text/messages: exactly one must be given")
-            gen_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-            return pb.TokenizeResponse(token_ids=_encode(tok, request.HasField("text") and request.text,
-                                                         request.messages, gen_prompt))
+            return pb.TokenizeResponse(token_ids=await self._prompt_ids(model, workers, request))
         except _Reject as r:
             await context.abort(r.code, r.message)
 
@@ -177,14 +172,11 @@ class RouterService(pb_grpc.GenerationServicer):
         return model, workers
 
     async def _prompt_ids(self, model, workers, request) -> list[int]:
-        given = [request.HasField("text"), bool(request.messages), bool(request.token_ids)]
-        if sum(given) != 1:
-            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, "text/messages/token_ids: exactly one must be given")
-        if request.token_ids:
-            return list(request.token_ids)
-        tok = await self._tokenizer(model, workers)
-        gen_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-        return _encode(tok, request.HasField("text") and request.text, request.messages, gen_prompt)
+        try:
+            tok = None if prompt_field(request) == "token_ids" else await self._tokenizer(model, workers)
+            return encode_prompt(tok, request)[1]
+        except ValueError as e:       # names the field; a template error is the caller's input too
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     def rank(self, model, workers, request, token_ids):
         """The routing decision, with no I/O: candidates best first, and the prompt's block hashes."""
@@ -233,17 +225,6 @@ class RouterService(pb_grpc.GenerationServicer):
         for channel, _ in self._stubs.values():
             await channel.close(grace=None)
         self._stubs.clear()
-
-
-def _encode(tok: PromptTokenizer, text, messages, add_generation_prompt: bool) -> list[int]:
-    try:
-        if messages:
-            return tok.encode_chat([{"role": m.role, "content": m.content} for m in messages],
-                                   add_generation_prompt=add_generation_prompt)
-        return tok.encode_text(text)
-    except Exception as e:        # a template error is the caller's input, not our failure
-        field = "messages" if messages else "text"
-        raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: cannot tokenize ({e})") from None
 
 
 class Router:
