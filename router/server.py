@@ -76,6 +76,9 @@ class RouterService(pb_grpc.GenerationServicer):
         last_error = None
         for attempt, choice in enumerate(ranked[:self.max_attempts]):
             w = choice.worker
+            # A worker past its cooldown gets this request as its one trial: the breaker
+            # reopens it for other requests until the trial succeeds or fails.
+            self.breaker.allow(w.id)
             w.credit(upstream.request_id, len(token_ids) - choice.cached_tokens, time.time())
             self.scorer.index.speculate(w.id, hashes)
             call = self._stub(w).Generate(upstream, timeout=context.time_remaining())
