@@ -4,6 +4,7 @@ failover, Redis outages and replicas are tested with real workers in test_router
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -117,3 +118,30 @@ def test_errors_tokenization_health_and_reflection(redis_server, start_fake_work
     assert "pagoda.v1.Generation" in {s.name for s in resp.list_services_response.service}
     hist = router.metrics()
     assert hist["pagoda_router_decision_seconds_count"] >= 1
+
+
+def test_breaker_keeps_a_failing_worker_out_then_lets_one_trial_through(redis_server, start_fake_worker,
+                                                                      start_router):
+    # round_robin over the workers the breaker allows, sorted by id: the order is predictable.
+    start_fake_worker(redis_server.url, "w1", fail_first=2, token_delay=0.5)
+    start_fake_worker(redis_server.url, "w2")
+    router = start_router(redis_server.url, policy="round_robin")
+    stub = stub_for(router)
+    wait_for(lambda: metric(router, "pagoda_router_live_workers", model="m") == 2, 5, "workers")
+
+    def served_by(k):
+        out, err = generate(stub, prompt(k, k), model="m")
+        assert err is None, err
+        return out[-1].worker_id
+
+    # w1 fails twice before a first token: each time the request is retried on w2.
+    assert [served_by(k) for k in range(4)] == ["w2", "w2", "w2", "w2"]
+    assert metric(router, "pagoda_router_worker_attempts_total", worker="w1", result="failed_before_first") == 2
+    time.sleep(2.3)                              # the breaker's first cooldown is 2 s
+    trial = ThreadPoolExecutor(1).submit(served_by, 10)
+    time.sleep(0.2)                              # the trial is on w1 (slow) ...
+    # ... so w1 is out for everyone else until it answers, even where round robin points at it.
+    assert [served_by(11), served_by(12)] == ["w2", "w2"]
+    assert trial.result(timeout=10) == "w1"
+    # The trial succeeded: w1 is back in the rotation.
+    assert sorted(served_by(k) for k in (13, 14)) == ["w1", "w2"]

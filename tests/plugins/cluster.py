@@ -88,14 +88,20 @@ class FakeEngine:
                                kv_usage=used / self.num_blocks)
 
 
-def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_json: str):
+def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_json: str,
+              fail_first: int = 0):
     import grpc
 
     from protos.pagoda.v1 import pagoda_pb2 as pb
     from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 
+    failures_left = [fail_first]
+
     class Servicer(pb_grpc.GenerationServicer):
         async def Generate(self, request, context):
+            if failures_left[0] > 0:             # a sick worker, for the circuit breaker
+                failures_left[0] -= 1
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "stand-in told to fail")
             if not request.token_ids:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: stand-in takes ids only")
             if request.model != engine.model_name:
@@ -140,7 +146,8 @@ async def _serve_fake(a) -> None:
 
     engine = FakeEngine(a.model, a.block_size, a.num_blocks)
     server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(_servicer(engine, a.worker_id, a.token_delay, word_tokenizer_json()),
+    pb_grpc.add_GenerationServicer_to_server(_servicer(engine, a.worker_id, a.token_delay, word_tokenizer_json(),
+                                                       a.fail_first),
                                              server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -171,6 +178,7 @@ def main(argv=None) -> None:
     p.add_argument("--token-delay", type=float, default=0.005)
     p.add_argument("--heartbeat", type=float, default=0.5)
     p.add_argument("--snapshot", type=float, default=5.0)
+    p.add_argument("--fail-first", type=int, default=0, help="answer the first N calls UNAVAILABLE")
     asyncio.run(_serve_fake(p.parse_args(argv)))
 
 
