@@ -42,6 +42,7 @@ class Publisher:
         self.connected = False
         self._redis = None
         self._task: asyncio.Task | None = None
+        self._stopping = asyncio.Event()
         self._next_heartbeat = self._next_snapshot = 0.0
 
     async def start(self) -> None:
@@ -51,33 +52,47 @@ class Publisher:
         self._task = asyncio.create_task(self._run(), name=f"publisher-{self.worker_id}")
 
     async def stop(self) -> None:
+        # Let the loop finish the command it is on rather than cancelling it mid-write: a
+        # cancelled SET can leave its connection broken, or reach Redis after the DELETE below.
+        self._stopping.set()
         if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            try:
+                await asyncio.wait_for(self._task, 2.0)      # cancels it past the 2 s
+            except asyncio.TimeoutError:
+                pass
+            except Exception as e:         # the loop died earlier; stopping still withdraws the lease
+                log.warning("publisher: loop had failed: %r", e)
             self._task = None
         if self._redis is not None:
             try:
                 # Routers drop this worker at once instead of waiting for the TTL.
-                await asyncio.wait_for(self._redis.delete(rs.lease_key(self.worker_id)), 1.0)
+                await asyncio.wait_for(self._redis.delete(rs.lease_key(self.worker_id)), 2.0)
             except (RedisError, OSError, asyncio.TimeoutError):
                 pass
             await self._redis.aclose()
             self._redis = None
 
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake at once when stop() is called."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
     async def _run(self) -> None:
         backoff = 0.05
-        while True:
+        while not self._stopping.is_set():
             try:
                 await self._publish()
                 if not self.connected:
                     log.info("publisher: connected to redis at %s", self.redis_url)
                 self.connected, backoff = True, 0.05
-                await asyncio.sleep(self.poll_s)
+                await self._pause(self.poll_s)
             except (RedisError, OSError, asyncio.TimeoutError) as e:
                 if self.connected or backoff == 0.05:
                     log.warning("publisher: redis unavailable (%s); retrying with backoff", e)
                 self.connected, self.need_snapshot = False, True
-                await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+                await self._pause(backoff * (0.5 + random.random() / 2))
                 backoff = min(backoff * 2, 1.0)
 
     def _drain(self) -> None:
