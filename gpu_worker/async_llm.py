@@ -1,9 +1,12 @@
 """asyncio streaming over one LLMEngine: many concurrent request streams, one engine loop.
 
-The model forward blocks, so engine steps run in one dedicated thread. Adds and aborts cross
-into it through a thread-safe queue; deltas come back to each stream's event loop with
-call_soon_threadsafe. A stream whose consumer stops early (aclose, cancellation) aborts
-its request, which frees its blocks at the engine's next turn.
+One writer: the model forward blocks, so engine steps run in one dedicated thread, and that
+thread alone touches the engine. Adds and aborts cross into it as typed commands through a
+thread-safe queue. After every turn it pushes out what others read: deltas to each stream's
+event loop (call_soon_threadsafe), an immutable EngineStats snapshot, and KV events (with a
+mirror of the cached hashes they imply). The event loop reads only those, so GetLoad, health
+checks and the publisher never wait on a step. A stream whose consumer stops early
+(aclose, cancellation) aborts its request, which frees its blocks at the engine's next turn.
 """
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import AsyncIterator, Union
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import LLMEngine
@@ -38,6 +42,31 @@ class _Stream:
             pass                 # the consumer's loop is closed: nobody to tell
 
 
+@dataclass(frozen=True)
+class AddCommand:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str
+    adapter: str
+    stream: _Stream
+
+
+@dataclass(frozen=True)
+class AbortCommand:
+    request_id: str
+    notify: bool             # False: the consumer is gone, send it nothing
+
+
+@dataclass(frozen=True)
+class StopCommand:
+    pass
+
+
+Command = Union[AddCommand, AbortCommand, StopCommand]
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig):
         self.engine = LLMEngine(config)
@@ -45,11 +74,18 @@ class AsyncLLM:
         for name in ("tokenizer", "model_name", "vocab_size", "max_model_len", "block_size",
                      "num_blocks", "eos_token_ids"):
             setattr(self, name, getattr(self.engine, name))
-        self._lock = threading.Lock()        # the engine is not thread-safe
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self._adds_in_flight = 0             # queued to the engine thread, not yet added
-        self._count_lock = threading.Lock()
+        # Adds sent (written by the event loop) and adds applied (written by the engine thread):
+        # each counter has one writer, so their difference needs no lock.
+        self._adds_sent = 0
+        self._adds_applied = 0
+        # What the engine thread publishes after each turn. The lock guards only the event
+        # buffer and the mirror, for microseconds, and is never held across a step.
+        self._stats: EngineStats = self.engine.stats()
+        self._out_lock = threading.Lock()
+        self._events: list[tuple[str, bytes]] = []
+        self._cached: dict[bytes, None] = {}     # insertion-ordered set of cached hashes
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
@@ -69,10 +105,9 @@ class AsyncLLM:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         stream = _Stream(asyncio.get_running_loop(), params.n)
         self._streams[request_id] = stream
-        with self._count_lock:
-            self._adds_in_flight += 1
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, priority,
-                            cache_salt, adapter, stream))
+        self._adds_sent += 1
+        self._commands.put(AddCommand(request_id, list(prompt_token_ids), params, priority,
+                                      cache_salt, adapter, stream))
         done = False
         try:
             while stream.left:
@@ -88,39 +123,42 @@ class AsyncLLM:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
             if not done:
-                self._commands.put(("abort", request_id, False))
+                self._commands.put(AbortCommand(request_id, notify=False))
 
     def _num_queued(self) -> int:
         """Requests that would wait: the engine's queue plus adds still crossing over, less
         the free sequence slots those adds can take at once."""
-        s = self.engine.scheduler
-        free_slots = max(0, s.max_num_seqs - len(s.running))
-        return s.num_waiting() + max(0, self._adds_in_flight - free_slots)
+        s = self._stats
+        free_slots = max(0, self.config.max_num_seqs - s.running)
+        in_flight = self._adds_sent - self._adds_applied
+        return s.waiting + max(0, in_flight - free_slots)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a live request; its stream ends with finish_reason "abort"."""
         if request_id not in self._streams:
             return False
-        self._commands.put(("abort", request_id, True))
+        self._commands.put(AbortCommand(request_id, notify=True))
         return True
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            return self.engine.stats()
+        """The snapshot published after the engine's last turn."""
+        return self._stats
 
     def take_kv_events(self) -> list[tuple[str, bytes]]:
-        with self._lock:
-            return self.engine.take_kv_events()
+        with self._out_lock:
+            events, self._events = self._events, []
+        return events
 
     def cached_block_hashes(self) -> list[bytes]:
-        with self._lock:
-            return self.engine.cached_block_hashes()
+        """Cached hashes as of the last published events (those taken or still to take)."""
+        with self._out_lock:
+            return list(self._cached)
 
     async def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._commands.put(("stop",))
+        self._commands.put(StopCommand())
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
     # ---- engine thread ------------------------------------------------------------------
@@ -129,49 +167,60 @@ class AsyncLLM:
         pending: dict[str, _Stream] = {}      # request id -> stream, as the engine thread sees it
         while True:
             busy = self.engine.has_unfinished_requests()
-            try:
-                commands = [] if busy else [self._commands.get()]
-                while True:
+            commands = [] if busy else [self._commands.get()]
+            while True:
+                try:
                     commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                pass
+                except queue.Empty:
+                    break
             for cmd in commands:
-                if cmd[0] == "stop":
+                if isinstance(cmd, StopCommand):
                     self._fail_all(pending, RuntimeError("AsyncLLM is shut down"))
                     return
                 self._apply(cmd, pending)
+            deltas: list[StreamDelta] = []
             if self.engine.has_unfinished_requests():
                 try:
-                    with self._lock:
-                        deltas = self.engine.step()
+                    deltas = self.engine.step()
                 except Exception as e:     # a failed step fails its requests, not the worker
                     logger.exception("engine step failed")
                     self._fail_all(pending, e)
-                    continue
-                self._dispatch(deltas, pending)
+            # Published before any stream hears of the step, so that whoever sees a delta
+            # (or an error) then sees figures at least as new.
+            self._publish()
+            self._dispatch(deltas, pending)
 
-    def _apply(self, cmd: tuple, pending: dict[str, _Stream]) -> None:
-        if cmd[0] == "add":
-            _, rid, ids, params, priority, salt, adapter, stream = cmd
+    def _publish(self) -> None:
+        events = self.engine.take_kv_events()
+        stats = self.engine.stats()
+        if events:
+            with self._out_lock:
+                self._events.extend(events)
+                for kind, h in events:
+                    if kind == "stored":
+                        self._cached[h] = None
+                    else:
+                        self._cached.pop(h, None)
+        self._stats = stats
+
+    def _apply(self, cmd: Command, pending: dict[str, _Stream]) -> None:
+        if isinstance(cmd, AddCommand):
             try:
-                with self._lock:
-                    self.engine.add_request(rid, ids, params, priority, salt, adapter)
-                pending[rid] = stream
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                        cmd.priority, cmd.cache_salt, cmd.adapter)
+                pending[cmd.request_id] = cmd.stream
             except Exception as e:
-                stream.put(e)
+                cmd.stream.put(e)
             finally:
-                with self._count_lock:
-                    self._adds_in_flight -= 1
-        elif cmd[0] == "abort":
-            _, rid, notify = cmd
-            with self._lock:
-                before = len(self.engine.pending)
-                self.engine.abort_request(rid)
-                if not notify:
-                    # The consumer is gone and the id may be reused at once: drop the abort
-                    # notices so that they cannot reach a newcomer of the same name.
-                    del self.engine.pending[before:]
-                    pending.pop(rid, None)
+                self._adds_applied += 1
+        elif isinstance(cmd, AbortCommand):
+            before = len(self.engine.pending)
+            self.engine.abort_request(cmd.request_id)
+            if not cmd.notify:
+                # The consumer is gone and the id may be reused at once: drop the abort
+                # notices so that they cannot reach a newcomer of the same name.
+                del self.engine.pending[before:]
+                pending.pop(cmd.request_id, None)
 
     def _dispatch(self, deltas: list[StreamDelta], pending: dict[str, _Stream]) -> None:
         by_request: dict[str, list[StreamDelta]] = {}
@@ -182,14 +231,13 @@ class AsyncLLM:
             if stream is None:
                 continue
             stream.put(ds)
-            # Only this thread changes the engine, so reading it here needs no lock.
             if rid not in self.engine.children:
                 del pending[rid]
 
     def _fail_all(self, pending: dict[str, _Stream], error: BaseException) -> None:
-        with self._lock:
-            self.engine.abort_request(list(self.engine.children))
-            self.engine.pending.clear()
+        self.engine.abort_request(list(self.engine.children))
+        self.engine.pending.clear()
+        self._publish()
         for stream in pending.values():
             stream.put(error)
         pending.clear()

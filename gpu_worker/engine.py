@@ -212,7 +212,9 @@ class LLMEngine:
             free_blocks=free, kv_usage=1.0 - free / self.num_blocks,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             preemptions=s.num_preemptions, prompt_tokens=s.num_prompt_tokens,
-            generation_tokens=self.generation_tokens)
+            generation_tokens=self.generation_tokens,
+            tokens_stored=sum(r.num_computed_tokens for r in s.running),
+            blocks_held=self.num_blocks - free, block_size=self.block_size)
 
     def take_kv_events(self) -> list[tuple[str, bytes]]:
         return self.kv.pool.take_events()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import time
 
 import torch
 
@@ -48,6 +50,9 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(self.eos_token_ids)
+        # Test hook: every step also sleeps this long (the GIL is released, as in a real
+        # forward), so tests can show that the event loop never waits on a step.
+        self.step_delay_s = float(os.environ.get("PAGODA_TEST_STEP_DELAY_S", "0") or 0)
 
     def _sliding_window(self) -> int | None:
         c = self.hf_config
@@ -194,6 +199,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if not out.scheduled:
             return ModelRunnerOutput(sampled_token_ids={})
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         logits = self.forward(out.scheduled)
         samplers = [s for s in out.scheduled if s.sample]
         if not samplers:

@@ -94,8 +94,9 @@ class StreamDelta:
     num_output_tokens: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineStats:
+    """A snapshot after one engine turn: immutable, so any thread may read it."""
     running: int
     waiting: int
     queued_prefill_tokens: int        # prompt tokens not yet computed, over running + waiting
@@ -107,3 +108,11 @@ class EngineStats:
     preemptions: int
     prompt_tokens: int                # cumulative, computed prompt tokens
     generation_tokens: int            # cumulative
+    tokens_stored: int                # KV of computed tokens, summed over running requests
+    blocks_held: int                  # blocks some request holds (num_blocks - free_blocks)
+    block_size: int
+
+    @property
+    def kv_utilisation(self) -> float:
+        """Stored tokens over the slots of the blocks held: how full the held blocks are."""
+        return self.tokens_stored / (self.blocks_held * self.block_size) if self.blocks_held else 0.0
