@@ -102,7 +102,7 @@ class Stack:
             time.sleep(0.1)
         port = self.router.rsplit(":", 1)[1]
         proc = self._spawn("router", [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", port,
-                                      "--metrics-port", "0", "--redis-url", self.redis_url,
+                                      "--metrics-port", "0", "--http-port", "0", "--redis-url", self.redis_url,
                                       "--policy", self.policy, "--log-level", "WARNING"])
         wait_serving(self.router, proc, "router", self.timeout)
 

@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
     p.add_argument("--host", default="127.0.0.1", help="address the router and workers bind")
     p.add_argument("--port", type=int, default=50050, help="router port (0 = any free port)")
+    p.add_argument("--http-port", type=int, default=0, help="router's OpenAI HTTP port (0 = any free port)")
     p.add_argument("--policy", default="prefix_aware", choices=("prefix_aware", "least_loaded", "round_robin"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--num-kv-blocks", type=int, help="passed to each worker")
@@ -208,15 +209,17 @@ def _run(a, cluster: Cluster, log_dir: Path) -> int:
             cmd += ["--num-kv-blocks", str(a.num_kv_blocks)]
         workers.append((f"worker-{i}", f"{a.host}:{port}", cluster.spawn(f"worker-{i}", cmd, env)))
     router_port = a.port or free_port(a.host)
+    http_port = a.http_port or free_port(a.host)
     router = cluster.spawn("router", [sys.executable, "-m", "router", "--host", a.host, "--port", str(router_port),
-                                      "--redis-url", redis_url, "--policy", a.policy,
+                                      "--http-port", str(http_port), "--redis-url", redis_url, "--policy", a.policy,
                                       "--metrics-port", str(a.router_metrics_port)], env)
     for name, address, proc in workers:
         wait_serving(address, proc, name, a.timeout)
     address = f"{a.host}:{router_port}"
     wait_serving(address, router, "router", 30.0)
     print(f"pagoda up: {a.workers} worker(s) serving {model}; redis {redis_url}", flush=True)
-    print(f"pagoda up: router at {address} (Ctrl-C stops everything)", flush=True)
+    print(f"pagoda up: router at {address} (gRPC), OpenAI HTTP at http://{a.host}:{http_port}/v1 "
+          "(Ctrl-C stops everything)", flush=True)
     while True:
         gone = cluster.exited()
         if gone:

@@ -11,6 +11,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Prefix-aware gRPC router in front of pagoda GPU workers.")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50050)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP port (/v1/chat/completions, ...); 0 = off")
     p.add_argument("--metrics-port", type=int, default=9101, help="Prometheus port; 0 = off")
     p.add_argument("--redis-url", required=True, help="redis://[:password@]host:port/db "
                    "(REDIS_PASSWORD is used when the URL has none)")

@@ -50,12 +50,22 @@ class RouterService(pb_grpc.GenerationServicer):
         self.breaker = CircuitBreaker()
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.GenerationStub]] = {}
         self._tokenizers: dict[str, PromptTokenizer] = {}
+        self._max_model_len: dict[str, int] = {}
         self._tok_locks: dict[str, asyncio.Lock] = {}
         cluster.on_worker_gone = self._forget_worker
 
     # -- Generation -------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        try:
+            async for resp in self.generate(request, context.time_remaining()):
+                yield resp
+        except _Reject as r:
+            await context.abort(r.code, r.message)
+
+    async def generate(self, request: pb.GenerateRequest, timeout: float | None):
+        """Route and proxy one request (the gRPC and HTTP fronts share it); a refusal or failure
+        is raised as _Reject with the status to answer."""
         policy = self.scorer.policy
         try:
             model, workers = self.candidates(request.model)
@@ -63,9 +73,9 @@ class RouterService(pb_grpc.GenerationServicer):
             token_ids = await self._prompt_ids(model, workers, request)
             ranked, hashes = self.rank(model, workers, request, token_ids)
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
-        except _Reject as r:
+        except _Reject:
             self.metrics.decisions.labels(policy, "rejected").inc()
-            await context.abort(r.code, r.message)
+            raise
         upstream = pb.GenerateRequest()
         upstream.CopyFrom(request)
         upstream.ClearField("text")
@@ -81,7 +91,7 @@ class RouterService(pb_grpc.GenerationServicer):
             self.breaker.allow(w.id)
             w.credit(upstream.request_id, len(token_ids) - choice.cached_tokens, time.time())
             self.scorer.index.speculate(w.id, hashes)
-            call = self._stub(w).Generate(upstream, timeout=context.time_remaining())
+            call = self._stub(w).Generate(upstream, timeout=timeout)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as e:
@@ -90,7 +100,7 @@ class RouterService(pb_grpc.GenerationServicer):
                 if e.code() in _CLIENT_ERRORS:
                     self.metrics.attempts.labels(w.id, "rejected").inc()
                     self.metrics.decisions.labels(policy, "rejected").inc()
-                    await context.abort(e.code(), e.details())
+                    raise _Reject(e.code(), e.details()) from None
                 if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self.breaker.failure(w.id)
                 self.metrics.attempts.labels(w.id, "failed_before_first").inc()
@@ -117,9 +127,9 @@ class RouterService(pb_grpc.GenerationServicer):
                 self.breaker.failure(w.id)
                 self.metrics.attempts.labels(w.id, "failed_mid_stream").inc()
                 self.metrics.decisions.labels(policy, "failed_mid_stream").inc()
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"worker {w.id} failed mid-stream ({e.code().name}: {e.details()}); "
-                                    "tokens already sent cannot be retried")
+                raise _Reject(grpc.StatusCode.UNAVAILABLE,
+                              f"worker {w.id} failed mid-stream ({e.code().name}: {e.details()}); "
+                              "tokens already sent cannot be retried") from None
             finally:
                 call.cancel()               # no-op when finished; aborts the worker's request otherwise
             self.metrics.attempts.labels(w.id, "ok").inc()
@@ -127,10 +137,10 @@ class RouterService(pb_grpc.GenerationServicer):
             return
         self.metrics.decisions.labels(policy, "failed").inc()
         if last_error is not None and last_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, last_error.details())
+            raise _Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, last_error.details())
         detail = f"{last_error.code().name}: {last_error.details()}" if last_error is not None else "empty stream"
-        await context.abort(grpc.StatusCode.UNAVAILABLE,
-                            f"no worker for model {model!r} could serve the request (last: {detail})")
+        raise _Reject(grpc.StatusCode.UNAVAILABLE,
+                      f"no worker for model {model!r} could serve the request (last: {detail})")
 
     async def _relay(self, first, call, model):
         reported = False
@@ -180,6 +190,14 @@ class RouterService(pb_grpc.GenerationServicer):
             return encode_prompt(tok, request)[1]
         except ValueError as e:       # names the field; a template error is the caller's input too
             raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+    async def tokenize(self, request) -> tuple[str, list[int], int]:
+        """(model, prompt token ids, its max_model_len) for a front that checks lengths itself."""
+        model, workers = self.candidates(request.model)
+        ids = await self._prompt_ids(model, workers, request)
+        if model not in self._max_model_len:
+            self._max_model_len[model] = (await self._model_info(model, workers)).max_model_len
+        return model, ids, self._max_model_len[model]
 
     def rank(self, model, workers, request, token_ids):
         """The routing decision, with no I/O: candidates best first, and the prompt's block hashes."""
@@ -235,12 +253,13 @@ class Router:
 
     def __init__(self, redis_url: str, host: str = "0.0.0.0", port: int = 50050, metrics_port: int = 0,
                  policy: str = "prefix_aware", index_max_blocks: int = 1_000_000,
-                 speculative_ttl_s: float = 10.0, max_attempts: int = 3):
+                 speculative_ttl_s: float = 10.0, max_attempts: int = 3, http_port: int = 0):
         self.index = BlockIndex(index_max_blocks, speculative_ttl_s)
         self.cluster = Cluster(redis_url, self.index)
         self.metrics = RouterMetrics(self.cluster, self.index)
         self.service = RouterService(self.cluster, Scorer(policy, self.index), self.metrics, max_attempts)
-        self.host, self.port, self.metrics_port = host, port, metrics_port
+        self.host, self.port, self.metrics_port, self.http_port = host, port, metrics_port, http_port
+        self.http = None
         self.server = grpc.aio.server()
         self.health = health.aio.HealthServicer()
 
@@ -257,6 +276,10 @@ class Router:
         await self.server.start()
         for service in ("", name):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.http_port:
+            from router.openai_api import OpenAIFront
+            self.http = OpenAIFront(self.service)
+            await self.http.start(self.host, self.http_port)
         if self.metrics_port:
             from prometheus_client import start_http_server
             start_http_server(self.metrics_port, registry=self.metrics.registry)
@@ -264,6 +287,8 @@ class Router:
 
     async def stop(self, grace: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace)
         await self.service.close()
         await self.cluster.stop()
@@ -271,11 +296,13 @@ class Router:
 
 async def _serve(a) -> None:
     router = Router(a.redis_url, a.host, a.port, a.metrics_port, a.policy, a.index_max_blocks,
-                    a.speculative_ttl, a.max_attempts)
+                    a.speculative_ttl, a.max_attempts, a.http_port)
     port = await router.start()
     log.info("router listening on %s:%d (policy %s, metrics port %s)", a.host, port, a.policy,
              a.metrics_port or "off")
     print(f"router listening on {a.host}:{port}", flush=True)
+    if a.http_port:
+        print(f"router OpenAI-compatible HTTP at http://{a.host}:{a.http_port}/v1", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

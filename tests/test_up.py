@@ -1,11 +1,13 @@
 """`pagoda up` (clients.up): embedded redis-server, a worker and a router as processes, the default
 tiny model built into the cache directory, and Ctrl-C stopping every child."""
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -53,6 +55,9 @@ def test_up_serves_then_ctrl_c_stops_everything(tmp_path):
         final = list(stub.Generate(pb.GenerateRequest(text="Hello there", sampling=pb.SamplingParams(
             max_tokens=5, temperature=0, ignore_eos=True)), timeout=60))[-1]
         assert final.finished and final.usage.completion_tokens == 5 and final.worker_id == "worker-0"
+        base = re.search(r"OpenAI HTTP at (http://\S+)", "".join(lines)).group(1)
+        models = json.load(urllib.request.urlopen(base + "/models", timeout=30))
+        assert [m["id"] for m in models["data"]] == ["tiny-llama"], models
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert "stopped" in out and proc.returncode == 0
@@ -69,6 +74,6 @@ def test_up_import_is_light():
 
 
 def test_router_import_is_light():
-    code = ("import sys, router.server, router.args; "
+    code = ("import sys, router.server, router.args, router.openai_api; "
             "assert 'torch' not in sys.modules and not any(m.startswith('gpu_worker') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)

@@ -89,7 +89,7 @@ class FakeEngine:
 
 
 def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_json: str,
-              fail_first: int = 0):
+              fail_first: int = 0, fail_code: str = "UNAVAILABLE"):
     import grpc
 
     from protos.pagoda.v1 import pagoda_pb2 as pb
@@ -101,7 +101,7 @@ def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_
         async def Generate(self, request, context):
             if failures_left[0] > 0:             # a sick worker, for the circuit breaker
                 failures_left[0] -= 1
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "stand-in told to fail")
+                await context.abort(grpc.StatusCode[fail_code], "stand-in told to fail")
             if not request.token_ids:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: stand-in takes ids only")
             if request.model != engine.model_name:
@@ -147,7 +147,7 @@ async def _serve_fake(a) -> None:
     engine = FakeEngine(a.model, a.block_size, a.num_blocks)
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(_servicer(engine, a.worker_id, a.token_delay, word_tokenizer_json(),
-                                                       a.fail_first),
+                                                       a.fail_first, a.fail_code),
                                              server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -178,7 +178,8 @@ def main(argv=None) -> None:
     p.add_argument("--token-delay", type=float, default=0.005)
     p.add_argument("--heartbeat", type=float, default=0.5)
     p.add_argument("--snapshot", type=float, default=5.0)
-    p.add_argument("--fail-first", type=int, default=0, help="answer the first N calls UNAVAILABLE")
+    p.add_argument("--fail-first", type=int, default=0, help="answer the first N calls with --fail-code")
+    p.add_argument("--fail-code", default="UNAVAILABLE", help="gRPC status name of those answers")
     asyncio.run(_serve_fake(p.parse_args(argv)))
 
 
@@ -264,8 +265,9 @@ def start_router(cluster_procs, tmp_path):
     def start(redis_url: str, **flags) -> Proc:
         from clients.up import free_port
         metrics_port = free_port()
+        # HTTP off unless a test asks (http_port=free_port()): the default 8000 would collide.
         args = ["-m", "router", "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_url,
-                "--metrics-port", str(metrics_port)]
+                "--metrics-port", str(metrics_port), "--http-port", str(flags.pop("http_port", 0))]
         for k, v in flags.items():
             args += ["--" + k.replace("_", "-"), str(v)]
         return _spawn(args, tmp_path, "router", cluster_procs, metrics_port)

@@ -1,0 +1,404 @@
+"""The router's OpenAI-compatible HTTP front: /v1/models, /v1/completions, /v1/chat/completions.
+
+An aiohttp application on the router's own event loop. A request body becomes a GenerateRequest
+(OpenAI and vLLM parameter names map one to one onto pagoda.v1 SamplingParams), is tokenized and
+length-checked here, then goes through RouterService.generate: the same routing decision, retries
+and upstream gRPC stream as the gRPC front. Worker deltas become an OpenAI response or
+server-sent events. Errors are OpenAI error objects; a gRPC status maps to its HTTP status and
+the `field:` prefix of pagoda's messages names the `param`. A client that goes away cancels the
+handler, which cancels the upstream call, which aborts the request on the worker.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from protos.pagoda.v1 import pagoda_pb2 as pb
+from router.server import RouterService, _Reject
+
+_HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+                grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+                grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+                grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+                grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+# pagoda.v1 field names that an HTTP caller knows under another name.
+_PARAM_ALIASES = {"text": "prompt", "token_ids": "prompt"}
+
+_INT_PARAMS = ("n", "top_k", "seed", "min_tokens")
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_BOOL_PARAMS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_COMMON = {"model", "max_tokens", "stop", "logit_bias", "stream", "stream_options", "user", "cache_salt",
+           "priority", "stop_token_ids", "logprobs", *_INT_PARAMS, *_FLOAT_PARAMS, *_BOOL_PARAMS}
+_ALLOWED = {"chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt"},
+            "completion": _COMMON | {"prompt"}}
+COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's legacy completions default
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @classmethod
+    def from_reject(cls, r: _Reject) -> ApiError:
+        head = r.message.split(":", 1)[0]
+        param = head if head.isidentifier() else None
+        return cls(_HTTP_STATUS.get(r.code, 500), r.message, _PARAM_ALIASES.get(param or "", param))
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _ERROR_TYPE.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+def _bad(param: str, why: str) -> ApiError:
+    return ApiError(400, f"{param}: {why}", param)
+
+
+# -- request body -> GenerateRequest -----------------------------------------------------------
+
+def _number(body: dict, name: str, kind: type) -> Any:
+    v = body[name]
+    ok = isinstance(v, bool) if kind is bool else (
+        isinstance(v, (int, float) if kind is float else int) and not isinstance(v, bool))
+    if not ok:
+        raise _bad(name, f"must be {'a boolean' if kind is bool else 'an integer' if kind is int else 'a number'} "
+                         f"(got {v!r})")
+    return v
+
+
+def _sampling(body: dict, kind: str) -> pb.SamplingParams:
+    sp = pb.SamplingParams()
+    for names, t in ((_INT_PARAMS, int), (_FLOAT_PARAMS, float), (_BOOL_PARAMS, bool)):
+        for name in names:
+            if name in body:
+                try:
+                    setattr(sp, name, _number(body, name, t))
+                except ValueError:           # outside int32/int64
+                    raise _bad(name, f"out of range (got {body[name]!r})") from None
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if body.get(max_name) is not None:
+        try:
+            sp.max_tokens = _number(body, max_name, int)
+        except ValueError:
+            raise _bad(max_name, f"out of range (got {body[max_name]!r})") from None
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise _bad("stop", "must be a string or a list of strings")
+        sp.stop[:] = stops
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise _bad("stop_token_ids", "must be a list of token ids")
+        sp.stop_token_ids[:] = ids
+    bias = body.get("logit_bias")
+    if bias is not None:
+        try:
+            sp.logit_bias.update({int(k): float(v) for k, v in bias.items()})
+        except (AttributeError, TypeError, ValueError):
+            raise _bad("logit_bias", "must map token ids to numbers") from None
+    _logprobs(body, kind, sp)
+    return sp
+
+
+def _logprobs(body: dict, kind: str, sp: pb.SamplingParams) -> None:
+    if kind == "completion":
+        if body.get("logprobs") is not None:
+            sp.logprobs = _number(body, "logprobs", int)
+        return
+    wanted = body.get("logprobs") is not None and _number(body, "logprobs", bool)
+    top = body.get("top_logprobs")
+    if top is not None and not wanted:
+        raise _bad("top_logprobs", "needs logprobs: true")
+    if wanted:
+        sp.logprobs = 0 if top is None else _number(body, "top_logprobs", int)
+
+
+def _messages(body: dict) -> list[pb.ChatMessage]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad("messages", f"message {i} needs a role")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise _bad("messages", f"message {i}: unsupported field(s) {', '.join(sorted(extra))}")
+        content = m.get("content")
+        if isinstance(content, list):       # content parts: only text is served
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise _bad("messages", f"message {i}: only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise _bad("messages", f"message {i}: content must be a string or text parts")
+        out.append(pb.ChatMessage(role=m["role"], content=content))
+    return out
+
+
+def build_request(body: Any, kind: str) -> pb.GenerateRequest:
+    """An OpenAI request body -> GenerateRequest, or ApiError naming the first bad parameter."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "body: must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}    # null means "not given", as in vLLM
+    unknown = sorted(set(body) - _ALLOWED[kind])
+    if unknown:
+        raise ApiError(400, f"{unknown[0]}: unsupported parameter(s): {', '.join(unknown)}", unknown[0])
+    model = body.get("model", "")
+    if not isinstance(model, str):
+        raise _bad("model", "must be a string")
+    req = pb.GenerateRequest(model=model, sampling=_sampling(body, kind))
+    if "priority" in body:
+        req.priority = _number(body, "priority", int)
+    if "cache_salt" in body:
+        if not isinstance(body["cache_salt"], str):
+            raise _bad("cache_salt", "must be a string")
+        req.cache_salt = body["cache_salt"]
+    if kind == "chat":
+        req.messages.extend(_messages(body))
+        if "add_generation_prompt" in body:
+            req.add_generation_prompt = _number(body, "add_generation_prompt", bool)
+        return req
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                  # a batch of one
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        req.token_ids[:] = prompt
+    else:
+        raise _bad("prompt", "must be a string or a list of token ids (one prompt per request)")
+    return req
+
+
+# -- worker deltas -> OpenAI responses ----------------------------------------------------------
+
+class _Choices:
+    """What each of the n sequences has produced so far, and the request's usage."""
+
+    def __init__(self, kind: str, n: int):
+        self.kind = kind
+        self.text = [""] * n
+        self.logprobs: list[list] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.stop_reason: list[str | int | None] = [None] * n
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+        self.offsets = [0] * n               # completions' text_offset per sequence
+
+    def add(self, resp: pb.GenerateResponse) -> tuple[str, Any, str | None]:
+        """Record one delta; -> (its text, its logprobs in this endpoint's shape or None, finish)."""
+        i = resp.index
+        self.text[i] += resp.text
+        lps = self._format_logprobs(i, resp) if resp.logprobs else None
+        finish = None
+        if resp.finished:
+            finish = self.finish[i] = _FINISH.get(resp.finish_reason)
+            kind = resp.WhichOneof("stop_reason")
+            self.stop_reason[i] = getattr(resp, kind) if kind else None
+            self.completion_tokens += resp.usage.completion_tokens
+            if i == 0:                       # every sequence shares the one prompt
+                self.prompt_tokens = resp.usage.prompt_tokens
+                self.cached_tokens = resp.usage.cached_prompt_tokens
+        return resp.text, lps, finish
+
+    def _format_logprobs(self, i: int, resp: pb.GenerateResponse):
+        if self.kind == "chat":
+            entries = [dict(_chat_lp(lp.sampled), top_logprobs=[_chat_lp(t) for t in lp.top])
+                       for lp in resp.logprobs]
+            self.logprobs[i].extend(entries)
+            return {"content": entries}
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in resp.logprobs:
+            out["tokens"].append(lp.sampled.token)
+            out["token_logprobs"].append(lp.sampled.logprob)
+            out["top_logprobs"].append({t.token: t.logprob for t in lp.top})
+            out["text_offset"].append(self.offsets[i])
+            self.offsets[i] += len(lp.sampled.token)
+        self.logprobs[i].append(out)
+        return out
+
+    def final_logprobs(self, i: int):
+        if not self.logprobs[i]:
+            return None
+        if self.kind == "chat":
+            return {"content": self.logprobs[i]}
+        return {k: [x for part in self.logprobs[i] for x in part[k]] for k in self.logprobs[i][0]}
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def _chat_lp(t: pb.TokenLogprob) -> dict:
+    return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())}
+
+
+class OpenAIFront:
+    """The aiohttp application and its listening site."""
+
+    def __init__(self, service: RouterService):
+        self.service = service
+        self.app = web.Application(client_max_size=16 * 2**20)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_get("/health", self.health)
+        self.runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        # handler_cancellation: a client that disconnects cancels its handler, and so its upstream call.
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, host, port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"models": self.service.cluster.models()},
+                                 status=200 if self.service.cluster.models() else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "pagoda"}
+                for m in self.service.cluster.models()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
+
+    async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            try:
+                body = await request.json()
+            except ValueError as e:
+                raise ApiError(400, f"body: not valid JSON ({e})") from None
+            req = build_request(body, kind)
+            stream = "stream" in body and _number(body, "stream", bool)
+            options = body.get("stream_options") or {}
+            if not isinstance(options, dict):
+                raise _bad("stream_options", "must be an object")
+            usage_in_stream = stream and options.get("include_usage") is True
+            await self._prepare(req, kind, "max_completion_tokens" if "max_completion_tokens" in body
+                                else "max_tokens")
+        except ApiError as e:
+            return e.response()
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        req.request_id = rid
+        head = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": req.model}
+        choices = _Choices(kind, req.sampling.n if req.sampling.HasField("n") else 1)
+        async with contextlib.aclosing(self.service.generate(req, None)) as upstream:
+            try:
+                first = await anext(upstream)    # errors before the first token get their HTTP status
+            except _Reject as r:
+                return ApiError.from_reject(r).response()
+            except StopAsyncIteration:
+                return ApiError(503, "no worker answered").response()
+            if stream:
+                return await self._stream(request, head, choices, first, upstream, usage_in_stream)
+            try:
+                choices.add(first)
+                async for resp in upstream:
+                    choices.add(resp)
+            except _Reject as r:
+                return ApiError.from_reject(r).response()
+        return web.json_response({**head, "choices": [self._choice(kind, choices, i)
+                                                       for i in range(len(choices.text))],
+                                  "usage": choices.usage()})
+
+    async def _prepare(self, req: pb.GenerateRequest, kind: str, max_name: str) -> None:
+        """Resolve the model, tokenize, check the length, and fill defaults, in place."""
+        models = self.service.cluster.models()
+        if req.model and req.model not in models:
+            if not models:
+                raise ApiError(503, "model: no live worker serves any model", "model")
+            raise ApiError(404, f"model: the model {req.model!r} does not exist (served: {', '.join(models)})",
+                           "model", "model_not_found")
+        try:
+            model, ids, max_len = await self.service.tokenize(req)
+        except _Reject as r:
+            raise ApiError.from_reject(r) from None
+        prompt = "messages" if kind == "chat" else "prompt"
+        if len(ids) >= max_len:
+            raise _bad(prompt, f"the prompt has {len(ids)} tokens; this model's maximum context length "
+                               f"is {max_len} tokens, so it leaves no room for a completion")
+        sp = req.sampling
+        if not sp.HasField("max_tokens"):
+            sp.max_tokens = max_len - len(ids) if kind == "chat" else COMPLETION_DEFAULT_MAX_TOKENS
+        if len(ids) + sp.max_tokens > max_len:
+            raise _bad(max_name, f"this model's maximum context length is {max_len} tokens; the request asks "
+                             f"for {len(ids) + sp.max_tokens} ({len(ids)} in the {prompt}, {sp.max_tokens} "
+                             "in the completion); reduce the length of either")
+        req.model = model
+        req.ClearField("text")
+        req.ClearField("messages")
+        req.token_ids[:] = ids               # tokenized once: the router path skips it
+
+    @staticmethod
+    def _choice(kind: str, choices: _Choices, i: int) -> dict:
+        out: dict[str, Any] = {"index": i, "logprobs": choices.final_logprobs(i),
+                               "finish_reason": choices.finish[i], "stop_reason": choices.stop_reason[i]}
+        if kind == "chat":
+            out["message"] = {"role": "assistant", "content": choices.text[i]}
+        else:
+            out["text"] = choices.text[i]
+        return out
+
+    async def _stream(self, request, head, choices, first, upstream, usage_in_stream) -> web.StreamResponse:
+        kind = choices.kind
+        head = {**head, "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(obj) -> None:
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        started: set[int] = set()
+        try:
+            delta = first
+            while True:
+                text, lps, finish = choices.add(delta)
+                i = delta.index
+                if kind == "chat" and i not in started:
+                    started.add(i)
+                    await send({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}]})
+                if text or lps or finish:
+                    choice: dict[str, Any] = {"index": i, "logprobs": lps, "finish_reason": finish}
+                    if finish:
+                        choice["stop_reason"] = choices.stop_reason[i]
+                    if kind == "chat":
+                        choice["delta"] = {"content": text} if text else {}
+                    else:
+                        choice["text"] = text
+                    await send({**head, "choices": [choice]})
+                try:
+                    delta = await anext(upstream)
+                except StopAsyncIteration:
+                    break
+            if usage_in_stream:
+                await send({**head, "choices": [], "usage": choices.usage()})
+        except _Reject as r:
+            await send(ApiError.from_reject(r).body())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
