@@ -206,7 +206,7 @@ class ModelRunner:
         if not samplers:
             return ModelRunnerOutput(sampled_token_ids={})
         rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
-                            s.generator) for s in samplers]
+                            s.generator, s.grammar) for s in samplers]
         tokens, logprobs = self.sampler(logits, rows)
         result = ModelRunnerOutput(sampled_token_ids={s.req_id: t for s, t in zip(samplers, tokens)})
         for s, lp in zip(samplers, logprobs):

@@ -6,7 +6,7 @@ Engine -> callers: RequestOutput (whole, offline API) and StreamDelta (async str
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -25,6 +25,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]   # read-only views, for penalties
     output_token_ids: list[int]
     generator: Optional[torch.Generator] = None   # per-request, when a seed is given
+    grammar: Any = None           # structured_output.GrammarState, when the output is constrained
 
 
 @dataclass

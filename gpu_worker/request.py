@@ -49,6 +49,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenLogprobs] = []
         self.generator = None
+        # Each sequence walks its own copy of the grammar (structured output).
+        self.grammar = params.structured_output.new_state() if params.structured_output is not None else None
         self.block_size = block_size
         self.hash_root = hash_root
         self.block_hashes: list[bytes] = block_hashes(self.all_token_ids, block_size, hash_root)

@@ -12,12 +12,13 @@ request gives the same tokens whatever else shares the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from gpu_worker.outputs import Logprob, TokenLogprobs
 from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.structured_output import apply_grammar_masks
 
 
 @dataclass
@@ -27,6 +28,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: Optional[torch.Generator] = None
+    grammar: Any = None           # structured_output.GrammarState of a constrained request
 
 
 class Sampler:
@@ -36,6 +38,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
                  ) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
         """logits [B, V] fp32, one row per request -> (token ids, logprobs or None per row)."""
+        # Structured output first: a token the grammar forbids is not a candidate at all.
+        apply_grammar_masks(logits, [r.grammar for r in rows], [r.output_token_ids for r in rows])
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)

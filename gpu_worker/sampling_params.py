@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -28,6 +29,8 @@ class SamplingParams:
     logprobs: int | None = None       # top-k log-probabilities per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # A structured_output.CompiledGrammar (GrammarCompiler.compile); None means free text.
+    structured_output: Any = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -97,6 +100,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids: token id {t!r} is outside the vocabulary [0, {vocab_size})")
+        if self.structured_output is not None and not hasattr(self.structured_output, "new_state"):
+            raise ValueError("structured_output: must be a CompiledGrammar (GrammarCompiler.compile)")
         if self.logprobs is not None:
             integer("logprobs")
             if not 0 <= self.logprobs <= 20:

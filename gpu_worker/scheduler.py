@@ -145,7 +145,8 @@ class Scheduler:
                 req_id=req_id, token_ids=req.all_token_ids[start:start + n], start_pos=start,
                 block_ids=self.kv.block_ids(req), sample=start + n == req.num_tokens,
                 sampling_params=req.params, prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=req.output_token_ids, generator=req.generator))
+                output_token_ids=req.output_token_ids, generator=req.generator,
+                grammar=req.grammar))
         out = SchedulerOutput(scheduled=scheduled, finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         return out

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.structured_output import GrammarCompiler, spec_from_proto
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 from protos.tokenization import PromptTokenizer, encode_prompt
@@ -55,6 +56,7 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         self.model_name = engine.model_name
         self.draining = False
         self.active: set[asyncio.Task] = set()     # handler tasks of open Generate streams
+        self.grammars = GrammarCompiler(tokenizer.tokenizer_json, engine.vocab_size, engine.eos_token_ids)
 
     # ---- Generation ---------------------------------------------------------------------
 
@@ -64,6 +66,9 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         try:
             field, ids = self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
+            spec = spec_from_proto(request.sampling.structured_output)
+            if spec is not None:            # compiled in a thread (cached per spec), off the loops
+                params.structured_output = await asyncio.to_thread(self.grammars.compile, spec)
         except (_Invalid, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or uuid.uuid4().hex

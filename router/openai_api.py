@@ -36,8 +36,9 @@ _PARAM_ALIASES = {"text": "prompt", "token_ids": "prompt"}
 _INT_PARAMS = ("n", "top_k", "seed", "min_tokens")
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BOOL_PARAMS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_STRUCTURED = ("response_format", "guided_json", "guided_choice", "guided_regex")
 _COMMON = {"model", "max_tokens", "stop", "logit_bias", "stream", "stream_options", "user", "cache_salt",
-           "priority", "stop_token_ids", "logprobs", *_INT_PARAMS, *_FLOAT_PARAMS, *_BOOL_PARAMS}
+           "priority", "stop_token_ids", "logprobs", *_STRUCTURED, *_INT_PARAMS, *_FLOAT_PARAMS, *_BOOL_PARAMS}
 _ALLOWED = {"chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt"},
             "completion": _COMMON | {"prompt"}}
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's legacy completions default
@@ -111,6 +112,7 @@ def _sampling(body: dict, kind: str) -> pb.SamplingParams:
         except (AttributeError, TypeError, ValueError):
             raise _bad("logit_bias", "must map token ids to numbers") from None
     _logprobs(body, kind, sp)
+    _structured(body, sp)
     return sp
 
 
@@ -125,6 +127,40 @@ def _logprobs(body: dict, kind: str, sp: pb.SamplingParams) -> None:
         raise _bad("top_logprobs", "needs logprobs: true")
     if wanted:
         sp.logprobs = 0 if top is None else _number(body, "top_logprobs", int)
+
+
+def _structured(body: dict, sp: pb.SamplingParams) -> None:
+    """response_format / guided_json / guided_choice / guided_regex -> SamplingParams.structured_output."""
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
+                                                                                   "json_schema")):
+        raise _bad("response_format", "must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
+    given = [k for k in _STRUCTURED if k in body and not (k == "response_format" and fmt["type"] == "text")]
+    if len(given) > 1:
+        raise _bad(given[1], f"give only one of {', '.join(given)}")
+    if not given:
+        return
+    name, value, so = given[0], body[given[0]], sp.structured_output
+    if name == "response_format" and value["type"] == "json_object":
+        so.json_object = True
+    elif name == "response_format":
+        schema = value.get("json_schema")
+        schema = schema.get("schema") if isinstance(schema, dict) else None
+        if not isinstance(schema, dict):
+            raise _bad(name, "json_schema.schema must be a JSON schema object")
+        so.json_schema = json.dumps(schema)
+    elif name == "guided_json":
+        if not isinstance(value, (dict, str)):
+            raise _bad(name, "must be a JSON schema")
+        so.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif name == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise _bad(name, "must be a non-empty list of non-empty strings")
+        so.choice[:] = value
+    else:
+        if not isinstance(value, str) or not value:
+            raise _bad(name, "must be a non-empty regular expression")
+        so.regex = value
 
 
 def _messages(body: dict) -> list[pb.ChatMessage]:

@@ -239,3 +239,64 @@ def test_queue_full_is_429_and_no_worker_is_503(redis_server, start_fake_worker,
     assert status == 429 and err["error"]["type"] == "rate_limit_error", err
     status, err = _post(base, "/chat/completions", {"model": "m", "messages": "hi"})
     assert status == 400 and err["error"]["param"] == "messages", err
+
+
+# -- structured output over HTTP ------------------------------------------------------------------
+
+def pet(k: int) -> list[dict]:
+    return [{"role": "user", "content": f"Describe pet number {k} as JSON."}]
+
+
+def test_50_json_schema_requests_at_temperature_1_all_validate(stack):
+    import jsonschema
+
+    from tests.test_structured_output import MAX_TOKENS, SCHEMA
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=stack["base"], api_key="unused", max_retries=0, timeout=120) as c:
+            async def one(k: int) -> tuple[str, str]:
+                r = await c.chat.completions.create(model=stack["model"], messages=pet(k), temperature=1.0,
+                                                    max_tokens=MAX_TOKENS, response_format=fmt)
+                return r.choices[0].message.content, r.choices[0].finish_reason
+            return await asyncio.gather(*(one(k) for k in range(50)))
+    for text, finish in asyncio.run(main()):
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_guided_choice_and_regex(client, stack):
+    choices = ["positive", "negative", "neutral"]
+    r = client.chat.completions.create(model=stack["model"], messages=chat(7), temperature=1.0, n=8,
+                                       max_tokens=16, extra_body={"guided_choice": choices})
+    assert all(c.message.content in choices and c.finish_reason == "stop" for c in r.choices)
+    chunks = client.completions.create(model=stack["model"], prompt="Code:", temperature=1.0, max_tokens=16,
+                                       stream=True, extra_body={"guided_regex": "[A-Z]{3}-[0-9]{3}"})
+    import re
+    assert re.fullmatch("[A-Z]{3}-[0-9]{3}", "".join(c.choices[0].text for c in chunks))
+
+
+def test_invalid_schema_is_400_naming_response_format(client, stack):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=stack["model"], messages=chat(), max_tokens=8, response_format=bad)
+    assert e.value.body["param"] == "response_format" and "no-such-type" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=stack["model"], prompt="x", max_tokens=8,
+                                  extra_body={"guided_regex": "(open"})
+    assert e.value.body["param"] == "guided_regex"
+
+
+def test_greedy_parity_beside_constrained_requests(client, stack):
+    from tests.test_structured_output import MAX_TOKENS, SCHEMA
+    kw = dict(model=stack["model"], max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    prompts = [f"Story {k}: once upon a time" for k in range(4)]
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+    with ThreadPoolExecutor(8) as pool:
+        constrained = [pool.submit(client.chat.completions.create, model=stack["model"], messages=pet(k),
+                                   temperature=1.0, max_tokens=MAX_TOKENS, response_format=fmt)
+                       for k in range(4)]
+        together = list(pool.map(lambda p: client.completions.create(prompt=p, **kw).choices[0].text, prompts))
+        assert all(f.result().choices[0].finish_reason == "stop" for f in constrained)
+    assert together == alone
