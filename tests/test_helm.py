@@ -268,6 +268,16 @@ TOGGLES = [
 ]
 
 
+def test_router_service_exposes_the_http_port():
+    def ports(http_port):
+        docs = render(merged(None, **{"router.httpPort": http_port, "router.service.httpPort": 80}))
+        svc = find(docs, "Service", "rel-pagoda-router")[0]
+        return ({p["name"]: p["port"] for p in svc["spec"]["ports"]},
+                {p["name"]: p["containerPort"] for p in container_of(docs, "rel-pagoda-router")["ports"]})
+    assert ports(8080) == ({"grpc": 50050, "http": 80}, {"grpc": 50050, "http": 8080, "metrics": 9101})
+    assert ports(0) == ({"grpc": 50050}, {"grpc": 50050, "metrics": 9101})
+
+
 @pytest.mark.parametrize("key,on,off,base,added", TOGGLES, ids=[f"{t[0]}={t[1]}" for t in TOGGLES])
 def test_toggle_adds_and_removes_what_it_names(key, on, off, base, added):
     with_on, with_off = render(merged(base, **{key: on})), render(merged(base, **{key: off}))

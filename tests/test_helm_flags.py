@@ -87,7 +87,7 @@ def test_values_map_one_to_one_onto_flags():
     r = EVERYTHING["router"]
     expect = {
         "router": {"index_max_blocks": r["indexMaxBlocks"], "speculative_ttl": r["speculativeTtl"],
-                   "max_attempts": r["maxAttempts"], "port": 50050, "metrics_port": 9101,
+                   "max_attempts": r["maxAttempts"], "port": 50050, "metrics_port": 9101, "http_port": 8000,
                    "redis_url": "redis://rel-pagoda-redis:6379/0", "policy": "prefix_aware"},
         "worker": {"kv_cache_memory": w["kvCacheMemory"], "num_kv_blocks": w["numKvBlocks"],
                    "max_num_batched_tokens": w["maxNumBatchedTokens"], "max_model_len": w["maxModelLen"],
