@@ -24,9 +24,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (KVSampler, Workload, build_model, command_line, hook_hf_cb_kv,  # noqa: E402
-                          hook_pagoda_kv, kv_bytes_per_token, machine, markdown_table, now,
-                          set_threads, sharegpt_like)
+from bench.common import (  # noqa: E402
+    KVSampler,
+    Workload,
+    build_model,
+    command_line,
+    hook_hf_cb_kv,
+    hook_pagoda_kv,
+    kv_bytes_per_token,
+    machine,
+    markdown_table,
+    now,
+    set_threads,
+    sharegpt_like,
+)
 
 SYSTEMS = ("pagoda", "hf-cb", "hf-static")
 
@@ -137,7 +148,7 @@ def run_hf_cb(model_dir: str, wl: Workload, budget_blocks: int, args, pad_id: in
             manager.destroy()
     tokens = [done[f"r{i}"] for i in range(len(wl.requests))]
     extra = f"cache {capacity} token slots"
-    del model, manager
+    model = manager = None   # free before the next system loads (closures hold the names)
     gc.collect()
     return Result("hf-cb", "transformers continuous batching", wall, wl, sampler, tokens, extra)
 
@@ -205,7 +216,7 @@ def run_hf_static(model_dir: str, wl: Workload, budget_tokens: int, args, pad_id
         wall = time.perf_counter() - t0
     sizes = [len(b) for b in batches]
     extra = f"{len(batches)} batches of {min(sizes)}-{max(sizes)} (mean {sum(sizes) / len(sizes):.1f})"
-    del model
+    model = None
     gc.collect()
     return Result("hf-static", "transformers generate, static batches", wall, wl, sampler, tokens, extra)
 

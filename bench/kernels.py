@@ -131,6 +131,7 @@ class Bench:
 def dense_kv(b: dict, seq_lens: list[int]):
     """[B, Hkv, Lmax, D] contiguous K and V plus a [B, 1, 1, Lmax] validity mask (built untimed)."""
     import torch
+
     from kernels.reference import gather_kv
     lmax = max(seq_lens)
     ks, vs = [], []
@@ -280,7 +281,7 @@ def decode_sweep(B: Bench) -> None:
         flex, err_f = (None, "skipped")
         if (batch, ctx) in flex_ok and B.flex_allowed():
             flex, err_f = attempt(lambda: B.time_us(flex_decode(q4, k, v, b["seq_lens"], b["scale"])))
-        del k, v
+        k = v = None
         rows.append([batch, ctx, sum(lens) // batch, splits, *fmt_time(ours, nbytes), f"{ours1:.1f}",
                      *fmt_time(dense, nbytes)[:2], *fmt_time(gath, nbytes)[:2],
                      f"{flex:.1f}" if flex else ("n/a" if err_f == "skipped" else f"n/a ({err_f})")])
@@ -296,6 +297,7 @@ def decode_sweep(B: Bench) -> None:
 def prefill_sweep(B: Bench) -> None:
     torch = B.torch
     import torch.nn.functional as F
+
     from kernels.reference import gather_kv
     from kernels.triton_attention import paged_attention_triton
     if B.cpu:
@@ -336,7 +338,7 @@ def prefill_sweep(B: Bench) -> None:
         t_flex, err_f = (None, "skipped")
         if (batch, qlen, ctx) in flex_ok and B.flex_allowed():
             t_flex, err_f = attempt(lambda: B.time_us(flex_prefill(q4, k, v, offset, b["scale"])))
-        del k, v
+        k = v = None
 
         def tf(us):
             return "n/a" if us is None else f"{us:.1f} ({flops / (us * 1e-6) / 1e12:.0f})"
@@ -404,6 +406,7 @@ class Stack:
 
     def step(self, ids, positions, slots, b, caches, attention: str, fused: bool):
         import torch.nn.functional as F
+
         from kernels.reference import add_rms_norm_ref, paged_attention_ref, rotary_ref, write_kv_cache_ref
         from kernels.triton_attention import paged_attention_triton
         from kernels.triton_cache import write_kv_cache_triton
@@ -471,7 +474,7 @@ def step_level(B: Bench) -> None:
         base = logits[("triton", True)]
         drift = max((lg - base).abs().max().item() for lg in logits.values())
         rows.append([batch, ctx, "; ".join(cells), f"{drift:.2e}"])
-        del caches
+        caches = None
     emit("## Decode step, Llama-3-8B-shaped stack (32 layers, random weights)" if not B.cpu
          else "## Decode step, toy stack (correctness of the code path only)")
     emit("Per backend: ms per step. Last column: max logit difference between variants.")

@@ -55,6 +55,7 @@ def _chunk_json(c) -> str:
 
 def run_generate(argv: list[str]) -> int:
     import grpc
+
     from clients.client import PagodaClient
     a = generate_parser().parse_args(argv)
     metadata = []

@@ -134,6 +134,7 @@ class _Assembler:
         ch.logprobs += c.logprobs
         self.request_id, self.worker_id = c.request_id, c.worker_id
         if c.finished:
+            assert c.usage is not None   # a finished chunk always carries usage
             ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
             # Prompt figures are per request; completion tokens add up over the n sequences.
             self.usage.prompt_tokens = c.usage.prompt_tokens

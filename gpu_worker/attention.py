@@ -49,7 +49,8 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.k_cache = self.v_cache = None
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
         self.write_fn, self.attend_fn = write_kv_cache_ref, paged_attention_ref
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,7 +61,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-        if self.k_cache is None:
+        if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not allocated: call ModelRunner.allocate_kv_cache first")
         self.write_fn(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.attend_fn(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,

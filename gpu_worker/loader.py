@@ -70,7 +70,8 @@ def load_model(path: str, hf_config, device: torch.device, dtype: torch.dtype) -
 
 def load_weights(model: torch.nn.Module, weights) -> None:
     params = dict(model.named_parameters())
-    fused_of = {part: (fused, i) for fused, parts in model.stacked_params.items()
+    stacked: dict[str, tuple[str, ...]] = getattr(model, "stacked_params", {})   # fused param -> its HF parts
+    fused_of = {part: (fused, i) for fused, parts in stacked.items()
                 for i, part in enumerate(parts)}
     pending: dict[str, dict[int, torch.Tensor]] = {}
     loaded: set[str] = set()
@@ -86,7 +87,7 @@ def load_weights(model: torch.nn.Module, weights) -> None:
             target = ".".join([*prefix, fused, leaf])
             pieces = pending.setdefault(target, {})
             pieces[i] = tensor
-            if len(pieces) < len(model.stacked_params[fused]):
+            if len(pieces) < len(stacked[fused]):
                 continue
             tensor = torch.cat([pieces[j] for j in range(len(pieces))], dim=0)
             del pending[target]

@@ -5,7 +5,7 @@ cost nothing per step; latency histograms are observed by the server as tokens s
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -61,7 +61,7 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(_EngineCollector(stats, model_name))
-        kw = dict(labelnames=["model_name"], registry=self.registry)
+        kw: dict[str, Any] = dict(labelnames=["model_name"], registry=self.registry)
         self.ttft = Histogram("pagoda:time_to_first_token_seconds", "Time to first token.",
                               buckets=TTFT_BUCKETS, **kw).labels(model_name)
         self.itl = Histogram("pagoda:inter_token_latency_seconds", "Time between streamed tokens.",
@@ -70,7 +70,7 @@ class WorkerMetrics:
                              buckets=E2E_BUCKETS, **kw).labels(model_name)
         self.success = Counter("pagoda:request_success", "Finished requests by finish reason.",
                                labelnames=["model_name", "finished_reason"], registry=self.registry)
-        self._server = None
+        self._server: Any = None
 
     def request_finished(self, reason: str) -> None:
         self.success.labels(self.model_name, reason or "abort").inc()

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import random
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -40,7 +41,7 @@ class Publisher:
         self.need_snapshot = True          # a router must be able to sync before any event
         self.snapshot_seq = -1             # seq the last published snapshot is current to
         self.connected = False
-        self._redis = None
+        self._redis: Any = None   # aioredis.Redis once started; its stubs type replies too loosely to help
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
         self._next_heartbeat = self._next_snapshot = 0.0

@@ -73,6 +73,7 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or uuid.uuid4().hex
         task = asyncio.current_task()
+        assert task is not None   # gRPC handlers run as tasks
         self.active.add(task)
         try:
             async for resp in self._stream(rid, field, ids, params, request, context):
@@ -286,6 +287,7 @@ class Worker:
 
     async def shutdown(self, grace: float) -> None:
         """Stop admissions, let open streams finish for up to `grace` seconds, then stop."""
+        assert self.service is not None and self.server is not None, "start() first"
         await self.service.start_drain()
         finished = await self.service.wait_idle(grace)
         log.info("shutdown: %s", "all streams finished" if finished else "grace period over, cancelling streams")

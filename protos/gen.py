@@ -6,8 +6,8 @@ folder and compares, so stale stubs fail CI.
 import pathlib
 import sys
 
-from grpc_tools import protoc
 import grpc_tools
+from grpc_tools import protoc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTOS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "protos").rglob("*.proto"))

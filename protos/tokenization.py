@@ -165,6 +165,8 @@ def encode_prompt(tokenizer: PromptTokenizer | None, request) -> tuple[str, list
     field = prompt_field(request)
     if field == "token_ids":
         return field, list(request.token_ids)
+    if tokenizer is None:
+        raise ValueError(f"{field}: this server has no tokenizer; send token_ids")
     if field == "text":
         return field, tokenizer.encode_text(request.text)
     agp = request.add_generation_prompt if request.HasField("add_generation_prompt") else True

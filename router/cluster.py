@@ -15,6 +15,7 @@ import asyncio
 import logging
 import random
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -38,7 +39,7 @@ class Cluster:
         self.on_worker_gone = lambda worker_id: None
         self._epochs: dict[str, int] = {}       # highest epoch seen per worker id (fencing)
         self._keep_until = 0.0                  # no expiry on missing leases before this
-        self._redis = None
+        self._redis: Any = None   # aioredis.Redis once started; its stubs type replies too loosely to help
         self._task: asyncio.Task | None = None
         self._synced = asyncio.Event()
 

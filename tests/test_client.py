@@ -156,10 +156,11 @@ def test_async_client_streams_retries_and_cancels(scripted):
 
 def _self_signed():
     x509 = pytest.importorskip("cryptography.x509")
+    import ipaddress
+
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
-    import ipaddress
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.timezone.utc)

@@ -10,8 +10,18 @@ import pytest
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError
 
-from tests.plugins.helm import (CASES, CHART, EVERYTHING, EXAMPLES, component, containers, example_values,
-                                find, render, render_error)
+from tests.plugins.helm import (
+    CASES,
+    CHART,
+    EVERYTHING,
+    EXAMPLES,
+    component,
+    containers,
+    example_values,
+    find,
+    render,
+    render_error,
+)
 
 KUBE_VERSIONS = ["1.27.0", "1.33.0"]
 GPU = "nvidia.com/gpu"

@@ -9,9 +9,9 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 import yaml
 
 from tests.plugins.helm import CHART

@@ -71,6 +71,7 @@ def _compile(fn, pointers: dict, scalars: dict, constexprs: dict, num_warps: int
 
 def compile_all():
     import torch
+
     from kernels.triton_attention import _merge_splits_kernel, _paged_attn_kernel, launch_config
     from kernels.triton_cache import _write_kv_kernel
     from kernels.triton_norm import _add_rms_norm_kernel, _rotary_kernel

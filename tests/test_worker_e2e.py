@@ -226,6 +226,7 @@ def test_metrics_scrape_parses_and_holds_the_series(worker, client):
 
 def test_backpressure_then_sigterm_drains_and_exits_zero(start_worker, tiny_model, redis_server):
     import redis
+
     from protos import redis_schema as rs
     w = start_worker(tiny_model, num_kv_blocks=NUM_BLOCKS, max_num_seqs=1, max_waiting=1, drain_grace_seconds=20,
                      redis_url=redis_server.url, worker_id="drain-me")

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from protos.block_hash import block_hashes
 
-from .workloads import SimRequest
 from .worker import SimWorker
+from .workloads import SimRequest
 
 
 @dataclass

@@ -75,7 +75,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
         self.inv_freq = rope_inv_freq(head_dim, params)
-        self._table = None
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._table is None or self._table[0].device != device:
