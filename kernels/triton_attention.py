@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import for_tensor
+
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps exp2(m_old - m_new) at 1, not NaN, for empty rows
 _LOG2E = 1.4426950408889634
 
@@ -223,7 +225,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_ml = out  # unused by the kernel when NUM_SPLITS == 1
     num_warps = cfg.pop("num_warps")
-    _paged_attn_kernel[(num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)](
+    for_tensor(_paged_attn_kernel, q)[(num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_ml,
         scale * _LOG2E, num_seqs, num_tokens, num_q_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -233,7 +235,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # Per head on a GPU, for parallelism; all heads per token under the interpreter, where
         # each program costs milliseconds.
         heads = 1 if q.is_cuda else triton.next_power_of_2(num_q_heads)
-        _merge_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, heads))](
+        for_tensor(_merge_splits_kernel, q)[(num_tokens, triton.cdiv(num_q_heads, heads))](
             part_acc, part_ml, out, num_tokens, num_q_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
             HEADS_BLOCK=heads, num_warps=1)

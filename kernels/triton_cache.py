@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import for_tensor
+
 
 @triton.jit
 def _write_kv_kernel(key, value, k_cache, v_cache, slot_mapping,
@@ -49,7 +51,7 @@ def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch
         raise ValueError("k_cache: the head_dim axis must be contiguous")
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping: expected {num_tokens} entries, got {slot_mapping.shape[0]}")
-    _write_kv_kernel[(num_tokens,)](
+    for_tensor(_write_kv_kernel, key)[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import for_tensor
+
 
 @triton.jit
 def _add_rms_norm_kernel(x, residual, weight, out, res_out, stride_x, stride_r, stride_o, stride_ro,
@@ -44,7 +46,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     else:
         res_out, res_in = torch.empty_like(x), residual
     if x.shape[0]:
-        _add_rms_norm_kernel[(x.shape[0],)](
+        for_tensor(_add_rms_norm_kernel, x)[(x.shape[0],)](
             x, res_in, weight, out, res_out, x.stride(0), res_in.stride(0), out.stride(0),
             res_out.stride(0), x.shape[1], eps, HAS_RESIDUAL=residual is not None,
             BLOCK=triton.next_power_of_2(x.shape[1]), num_warps=8 if x.shape[1] >= 4096 else 4)
@@ -95,7 +97,7 @@ def rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos
         raise ValueError(f"positions: expected [{num_tokens}], got {tuple(positions.shape)}")
     if num_tokens:
         half = head_dim // 2
-        _rotary_kernel[(num_tokens,)](
+        for_tensor(_rotary_kernel, q)[(num_tokens,)](
             positions, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             num_q_heads, k.shape[1], HALF=half, HALF_PAD=triton.next_power_of_2(half),
             HEADS_PAD=triton.next_power_of_2(max(num_q_heads, k.shape[1])))

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from clients.up import wait_serving
-
 ROOT = Path(__file__).resolve().parents[2]
 _LISTEN = re.compile(r"listening on [^\s]+:(\d+)")
 # The shared worker's pool (384 tokens) is smaller than its max_model_len on purpose, so that a
@@ -69,6 +67,7 @@ class WorkerHandle:
             else:
                 time.sleep(0.1)
         try:
+            from clients.up import wait_serving  # needs grpc: imported only when a worker starts
             wait_serving(self.address, self.proc, "worker", max(deadline - time.monotonic(), 0.1))
         except (RuntimeError, TimeoutError) as e:
             raise type(e)(f"{e}:\n{self.log()[-4000:]}") from None
