@@ -24,10 +24,16 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor   # [S + 1] int32
 
 
+def resolve_backend(name: str, device: torch.device) -> str:
+    """auto -> triton on CUDA, torch elsewhere; the model's fused ops follow the same choice."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
 def select_backend(name: str, device: torch.device) -> tuple[Callable, Callable]:
     """(write_kv_cache, paged_attention) for a backend name and the device it runs on."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+    name = resolve_backend(name, device)
     if name == "torch":
         return write_kv_cache_ref, paged_attention_ref
     if name == "triton":

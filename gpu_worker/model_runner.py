@@ -13,9 +13,10 @@ import time
 
 import torch
 
-from gpu_worker.attention import AttentionMetadata, select_backend
+from gpu_worker.attention import AttentionMetadata, resolve_backend, select_backend
 from gpu_worker.config import EngineConfig
 from gpu_worker.loader import load_hf_config, load_model, resolve_dtype
+from gpu_worker.models.llama import use_triton_ops
 from gpu_worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu_worker.sampler import Sampler, SamplingRow
 
@@ -45,6 +46,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(config.model, self.hf_config, self.device, self.dtype)
         self.write_fn, self.attend_fn = select_backend(config.attention_backend, self.device)
+        use_triton_ops(self.model, resolve_backend(config.attention_backend, self.device) == "triton")
         attn = self.model.attention_layers()[0]
         self.num_layers = len(self.model.attention_layers())
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim

@@ -253,6 +253,8 @@ for backend in ("torch", "triton"):
     r = ModelRunner(EngineConfig(model=sys.argv[1], device="cpu", block_size=8, attention_backend=backend))
     r.allocate_kv_cache(16)
     assert r.attend_fn.__name__ == "paged_attention_" + ("ref" if backend == "torch" else "triton")
+    # The fused norm/rotary ops follow the attention backend (Qwen3: q/k norms stay torch, 3-D).
+    assert r.model.norm.triton == r.model.layers[0].self_attn.rotary.triton == (backend == "triton")
     rng = random.Random(0)
     a = [rng.randrange(5, r.vocab_size) for _ in range(21)]
     b = [rng.randrange(5, r.vocab_size) for _ in range(9)]

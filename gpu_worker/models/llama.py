@@ -18,19 +18,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention import AttentionMetadata, PagedAttention
+from kernels.reference import add_rms_norm_ref, rotary_ref
 
 
 class RMSNorm(nn.Module):
+    """forward(x, residual=None) -> (RMSNorm(x + residual), x + residual): the add is fused in, so
+    a decoder layer hands the sum on as the next residual. With `triton` set (use_triton_ops) a
+    2-D input goes through one Triton kernel instead of about eight torch ops."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.triton = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.triton and x.dim() == 2:
+            from kernels.triton_norm import add_rms_norm_triton  # triton loads only when used
+            return add_rms_norm_triton(x, residual, self.weight, self.eps)
+        return add_rms_norm_ref(x, residual, self.weight, self.eps)
+
+
+def use_triton_ops(model: nn.Module, on: bool) -> None:
+    """Fused Triton RMSNorm (+ residual add) and rotary (kernels/triton_norm.py) for every layer,
+    or the torch ops (exact on CPU). Chosen once, with the attention backend."""
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, RotaryEmbedding)):
+            m.triton = on
 
 
 def rope_parameters(hf_config) -> dict:
@@ -76,6 +90,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.max_positions = head_dim, max_positions
         self.inv_freq = rope_inv_freq(head_dim, params)
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.triton = False
 
     def table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._table is None or self._table[0].device != device:
@@ -86,16 +101,12 @@ class RotaryEmbedding(nn.Module):
         return self._table
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hkv, D] rotated by their token's position."""
+        """q [T, Hq, D], k [T, Hkv, D] rotated by their token's position (in place with `triton`)."""
         cos, sin = self.table(q.device)
-        cos = cos[positions].unsqueeze(1).to(q.dtype)
-        sin = sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        if self.triton:
+            from kernels.triton_norm import rotary_triton
+            return rotary_triton(positions, q, k, cos, sin)
+        return rotary_ref(positions, q, k, cos, sin)
 
 
 class Attention(nn.Module):
@@ -122,7 +133,7 @@ class Attention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -151,9 +162,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, h, meta):
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions, h, residual, meta):
+        """(this layer's output, the residual stream before it); the next norm adds the two."""
+        x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x, meta), residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -177,10 +190,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(positions, h, meta)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual, meta)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
