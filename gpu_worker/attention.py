@@ -22,6 +22,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor      # [S, max_blocks] int32
     seq_lens: torch.Tensor          # [S] int32, context length including this step's tokens
     query_start_loc: torch.Tensor   # [S + 1] int32
+    # Longest seq_lens entry, known on the host when the step is built: split-KV sizes its
+    # segments from it (None: assume the longest possible context).
+    max_seq_len: int | None = None
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -68,4 +71,4 @@ class PagedAttention(nn.Module):
             raise RuntimeError("KV cache not allocated: call ModelRunner.allocate_kv_cache first")
         self.write_fn(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.attend_fn(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                              meta.query_start_loc, self.scale)
+                              meta.query_start_loc, self.scale, max_seq_len=meta.max_seq_len)

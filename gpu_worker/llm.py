@@ -11,7 +11,7 @@ from gpu_worker.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, device: str = "cpu", block_size: int = 16,
+    def __init__(self, model: str, device: str = "auto", block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, kv_cache_memory=None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
                  enable_prefix_caching: bool = True, **kwargs):

@@ -16,6 +16,7 @@ import torch
 from gpu_worker.attention import AttentionMetadata, resolve_backend, select_backend
 from gpu_worker.config import EngineConfig
 from gpu_worker.loader import load_hf_config, load_model, resolve_dtype
+from gpu_worker.memory import kv_budget_bytes, sampler_workspace_bytes
 from gpu_worker.models.llama import use_triton_ops
 from gpu_worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu_worker.sampler import Sampler, SamplingRow
@@ -132,13 +133,15 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = None
         torch.cuda.empty_cache()
-        budget = total * self.config.gpu_memory_utilization - outside - peak
+        sampler = sampler_workspace_bytes(self.config.max_num_seqs, self.vocab_size)
+        budget = kv_budget_bytes(total, self.config.gpu_memory_utilization, outside, peak, sampler)
         blocks = int(budget // self.bytes_per_block())
-        log.info("profiled peak %.2f GiB (weights + activations), outside torch %.2f GiB, "
-                 "KV budget %.2f GiB", peak / 2**30, outside / 2**30, max(budget, 0) / 2**30)
+        log.info("profiled peak %.2f GiB (weights + activations), sampler %.2f GiB, outside torch "
+                 "%.2f GiB, KV budget %.2f GiB", peak / 2**30, sampler / 2**30, outside / 2**30,
+                 max(budget, 0) / 2**30)
         if blocks < 1:
-            raise ValueError("gpu_memory_utilization: no memory left for the KV cache "
-                             f"(budget {budget / 2**30:.2f} GiB after weights and activations)")
+            raise ValueError("gpu_memory_utilization: no memory left for the KV cache (budget "
+                             f"{budget / 2**30:.2f} GiB after weights, activations and the sampler)")
         return blocks
 
     def _dummy_batch(self, reqs: list[tuple[list[int], int]]):
@@ -187,7 +190,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=dev(slots, torch.int64),
                                  block_tables=dev(tables, torch.int32),
                                  seq_lens=dev(seq_lens, torch.int32),
-                                 query_start_loc=dev(qsl, torch.int32))
+                                 query_start_loc=dev(qsl, torch.int32), max_seq_len=max(seq_lens))
         return dev(ids, torch.int64), dev(pos, torch.int64), meta, sample_rows
 
     @torch.inference_mode()

@@ -37,8 +37,10 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, *, max_seq_len: int | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's paged KV; returns [T, Hq, D].
+
+    max_seq_len: accepted for the kernels' contract (a split-KV hint); lengths come from seq_lens.
 
     Single-token queries (decode) are computed together in one flat pass; longer ones (prefill
     chunks) with one SDPA call each. A Python loop over decodes made attention two thirds of a

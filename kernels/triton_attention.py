@@ -156,14 +156,20 @@ def _num_sms(device_index: int) -> int:
 
 def _choose_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, block_n: int,
                    decode_only: bool, max_seq_len: int | None) -> int:
-    """Split the key range only when a decode batch leaves most SMs idle."""
     if not q.is_cuda or not decode_only:
         return 1
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    return num_kv_splits(num_seqs, num_kv_heads, sms, block_n, max_seq_len)
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, num_sms: int, block_n: int,
+                  max_seq_len: int | None) -> int:
+    """Split-KV segments for a decode batch: only when it leaves most SMs idle, and only as many
+    as the longest context fills (max_seq_len None: up to 16)."""
     programs = num_seqs * num_kv_heads
-    if programs >= sms:
+    if programs >= num_sms:
         return 1
-    splits = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
+    splits = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
     if max_seq_len is not None:
         # Each segment should keep at least a few key tiles, or the merge costs more than it saves.
         tiles_per_4 = max_seq_len // (4 * block_n)
