@@ -42,6 +42,7 @@ class LLMEngine:
         self.block_size = config.block_size
         self.num_blocks = self.runner.num_blocks_for()
         self.runner.allocate_kv_cache(self.num_blocks)
+        self.runner.warm_up()  # kernels compile now, not on the first requests
         self.max_num_batched_tokens = (config.max_num_batched_tokens
                                        or default_max_num_batched_tokens(self.max_model_len))
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)

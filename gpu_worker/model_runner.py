@@ -20,6 +20,7 @@ from gpu_worker.memory import kv_budget_bytes, sampler_workspace_bytes
 from gpu_worker.models.llama import use_triton_ops
 from gpu_worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu_worker.sampler import Sampler, SamplingRow
+from gpu_worker.warmup import WarmupStep, warmup_plan
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(config.model, self.hf_config, self.device, self.dtype)
         self.write_fn, self.attend_fn = select_backend(config.attention_backend, self.device)
-        use_triton_ops(self.model, resolve_backend(config.attention_backend, self.device) == "triton")
+        self.backend = resolve_backend(config.attention_backend, self.device)
+        use_triton_ops(self.model, self.backend == "triton")
         attn = self.model.attention_layers()[0]
         self.num_layers = len(self.model.attention_layers())
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -151,6 +153,33 @@ class ModelRunner:
                      for i, (blocks, n) in enumerate(reqs)]
         ids, pos, meta, _ = self.prepare(scheduled)
         return ids, pos, meta
+
+    def warm_up(self) -> None:
+        """Compile every Triton kernel variant serving will use, before the worker reports
+        SERVING (gpu_worker/warmup.py); CUDA only: on CPU nothing compiles."""
+        if self.device.type != "cuda" or self.backend != "triton":
+            return
+        from kernels.triton_attention import _num_sms, launch_config
+        start = time.perf_counter()
+        attn = self.model.attention_layers()[0]
+        block_n = launch_config(1, 1, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.block_size,
+                                self.dtype, True)["BLOCK_N"]
+        plan = warmup_plan(self.config.max_num_seqs, self.max_model_len, self.max_num_batched_tokens(),
+                           attn.num_kv_heads, _num_sms(self.device.index or 0), block_n)
+        for step in plan:
+            self.forward(self.warmup_batch(step))
+        torch.cuda.synchronize(self.device)
+        log.info("warm-up: %d steps compiled in %.1f s", len(plan), time.perf_counter() - start)
+
+    def warmup_batch(self, step: WarmupStep) -> list[ScheduledRequest]:
+        """A dummy step of this shape over the pool's first blocks (shared by every sequence;
+        nothing is cached before serving, so what it writes there is never read)."""
+        seq_len = min(step.seq_len, len(self.kv_caches[0][0]) * self.block_size)
+        blocks = list(range(math.ceil(seq_len / self.block_size)))
+        first = seq_len - 1 if step.decode else 0
+        return [ScheduledRequest(req_id=f"warmup-{i}", token_ids=[0] * (seq_len - first), start_pos=first,
+                                 block_ids=blocks, sample=True, sampling_params=None,
+                                 prompt_token_ids=[], output_token_ids=[]) for i in range(step.num_seqs)]
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)

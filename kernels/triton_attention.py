@@ -26,7 +26,12 @@ _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps exp2(m_old - m_ne
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Step-varying integers: specialising them (a value of 1 becomes a constant, multiples of 16 get
+# a divisibility hint) would compile new variants mid-serving (gpu_worker/warmup.py).
+STEP_VARYING = ("num_seqs", "num_tokens", "stride_bt")
+
+
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _paged_attn_kernel(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_ml,
         scale_log2, num_seqs, num_tokens, num_q_heads,
@@ -113,7 +118,7 @@ def _paged_attn_kernel(
         tl.store(part_ml + row * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _merge_splits_kernel(part_acc, part_ml, out, num_tokens, num_q_heads, stride_ot, stride_oh,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          HEADS_BLOCK: tl.constexpr):
