@@ -325,7 +325,15 @@ FIELD_TOGGLES = [
      lambda c, p: "topologySpreadConstraints" in p),
     ("workerDefaults.metricsPort", 9100, 0, "rel-pagoda-worker-default",
      lambda c, p: any(port["name"] == "metrics" for port in c["ports"])),
+    ("workerDefaults.compileCache.claimName", "triton", "", "rel-pagoda-worker-default",
+     lambda c, p: {"name": "compile-cache", "persistentVolumeClaim": {"claimName": "triton"}} in p["volumes"]),
 ]
+
+
+def test_worker_triton_cache_is_on_its_volume():
+    c = container_of(render(BUNDLED), "rel-pagoda-worker-default")
+    cache_dir = next(e["value"] for e in c["env"] if e["name"] == "TRITON_CACHE_DIR")
+    assert {"name": "compile-cache", "mountPath": cache_dir} in c["volumeMounts"]
 
 
 @pytest.mark.parametrize("key,on,off,deployment,holds", FIELD_TOGGLES,
