@@ -39,6 +39,7 @@ class EngineConfig:
     # reference everywhere, for debugging.
     attention_backend: str = "auto"             # auto | torch | triton
     max_waiting: int = 1024                     # queue bound; beyond it requests are refused
+    enforce_eager: bool = False                 # no CUDA graphs for decode (CUDA only)
 
     def __post_init__(self):
         if self.served_model_name is None:

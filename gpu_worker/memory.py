@@ -19,6 +19,19 @@ def sampler_workspace_bytes(max_num_seqs: int, vocab_size: int) -> int:
     return SAMPLER_FP32_COPIES * 4 * max_num_seqs * vocab_size
 
 
+# Per captured graph: its kernel nodes and the split-KV partials of the small sizes.
+GRAPH_OVERHEAD_BYTES = 2 * 2**20
+
+
+def cuda_graph_bytes(num_graphs: int, max_num_seqs: int, hidden_size: int, intermediate_size: int,
+                     qkv_width: int, elem_size: int) -> int:
+    """The decode graphs' private pool: one decode step's activations at the largest size (the
+    smaller graphs, captured after it, reuse that pool) plus a little per graph. The runner
+    logs the pool it really took after capture, to check this estimate."""
+    activations = max_num_seqs * (4 * hidden_size + qkv_width + 3 * intermediate_size) * elem_size
+    return activations + num_graphs * GRAPH_OVERHEAD_BYTES
+
+
 def kv_budget_bytes(total: int, utilization: float, outside_torch: int, forward_peak: int,
                     sampler_bytes: int, graph_bytes: int = 0) -> int:
     """Bytes left for KV blocks (may be negative: the caller names the flag to change)."""

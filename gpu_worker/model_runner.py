@@ -15,11 +15,13 @@ import torch
 
 from gpu_worker.attention import AttentionMetadata, resolve_backend, select_backend
 from gpu_worker.config import EngineConfig
+from gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
 from gpu_worker.loader import load_hf_config, load_model, resolve_dtype
-from gpu_worker.memory import kv_budget_bytes, sampler_workspace_bytes
+from gpu_worker.memory import cuda_graph_bytes, kv_budget_bytes, sampler_workspace_bytes
 from gpu_worker.models.llama import use_triton_ops
 from gpu_worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu_worker.sampler import Sampler, SamplingRow
+from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.warmup import WarmupStep, warmup_plan
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(self.eos_token_ids)
+        self.graphs: DecodeGraphs | None = None  # captured by warm_up on CUDA
         # Test hook: every step also sleeps this long (the GIL is released, as in a real
         # forward), so tests can show that the event loop never waits on a step.
         self.step_delay_s = float(os.environ.get("PAGODA_TEST_STEP_DELAY_S", "0") or 0)
@@ -135,8 +138,13 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = None
         torch.cuda.empty_cache()
+        attn = self.model.attention_layers()[0]
         sampler = sampler_workspace_bytes(self.config.max_num_seqs, self.vocab_size)
-        budget = kv_budget_bytes(total, self.config.gpu_memory_utilization, outside, peak, sampler)
+        graphs = 0 if not self.uses_graphs() else cuda_graph_bytes(
+            len(capture_sizes(self.config.max_num_seqs)), self.config.max_num_seqs, self.hf_config.hidden_size,
+            self.hf_config.intermediate_size, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim,
+            torch.empty(0, dtype=self.dtype).element_size())
+        budget = kv_budget_bytes(total, self.config.gpu_memory_utilization, outside, peak, sampler, graphs)
         blocks = int(budget // self.bytes_per_block())
         log.info("profiled peak %.2f GiB (weights + activations), sampler %.2f GiB, outside torch "
                  "%.2f GiB, KV budget %.2f GiB", peak / 2**30, sampler / 2**30, outside / 2**30,
@@ -170,6 +178,17 @@ class ModelRunner:
             self.forward(self.warmup_batch(step))
         torch.cuda.synchronize(self.device)
         log.info("warm-up: %d steps compiled in %.1f s", len(plan), time.perf_counter() - start)
+        if self.uses_graphs():
+            before = torch.cuda.memory_reserved(self.device)
+            graphs = DecodeGraphs(self.model, self.config.max_num_seqs, self.max_model_len, self.block_size,
+                                  self.device)
+            graphs.capture()
+            self.graphs = graphs
+            log.info("CUDA graphs: %d decode sizes captured, pool %.2f GiB", len(graphs.sizes),
+                     (torch.cuda.memory_reserved(self.device) - before) / 2**30)
+
+    def uses_graphs(self) -> bool:
+        return self.device.type == "cuda" and self.backend == "triton" and not self.config.enforce_eager
 
     def warmup_batch(self, step: WarmupStep) -> list[ScheduledRequest]:
         """A dummy step of this shape over the pool's first blocks (shared by every sequence;
@@ -178,7 +197,7 @@ class ModelRunner:
         blocks = list(range(math.ceil(seq_len / self.block_size)))
         first = seq_len - 1 if step.decode else 0
         return [ScheduledRequest(req_id=f"warmup-{i}", token_ids=[0] * (seq_len - first), start_pos=first,
-                                 block_ids=blocks, sample=True, sampling_params=None,
+                                 block_ids=blocks, sample=True, sampling_params=SamplingParams(),
                                  prompt_token_ids=[], output_token_ids=[]) for i in range(step.num_seqs)]
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -226,7 +245,9 @@ class ModelRunner:
     def forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """Run the model over a step (writing its KV); fp32 logits [num sampling requests, V]."""
         ids, pos, meta, sample_rows = self.prepare(scheduled)
-        hidden = self.model(ids, pos, meta)
+        hidden = self.graphs.run(ids, pos, meta) if self.graphs is not None else None
+        if hidden is None:  # prefill, mixed, or no graphs
+            hidden = self.model(ids, pos, meta)
         return self.model.compute_logits(hidden[sample_rows])
 
     @torch.inference_mode()

@@ -3,7 +3,7 @@ valid batches for the runner, and step-varying kernel integers are not specialis
 import pytest
 
 from gpu_worker.config import EngineConfig
-from gpu_worker.warmup import reachable_splits, warmup_plan
+from gpu_worker.warmup import WarmupStep, reachable_splits, warmup_plan
 from kernels.triton_attention import _merge_splits_kernel, _paged_attn_kernel, num_kv_splits
 
 SHAPES = [  # (max_num_seqs, max_model_len, kv heads, SMs, block_n)
@@ -19,12 +19,11 @@ def test_plan_covers_every_reachable_split_count(max_seqs, max_len, hkv, sms, bl
     lens = sorted({1, max_len} | {min(max_len, 2 ** i) for i in range(18)} | set(range(1, max_len, 97)))
     every = {num_kv_splits(n, hkv, sms, block_n, L) for n in range(1, max_seqs + 1) for L in lens}
     assert set(reachable_splits(max_seqs, max_len, hkv, sms, block_n)) == every
-    plan = warmup_plan(max_seqs, max_len, 2048, hkv, sms, block_n, graph_sizes=(1, 2, 4))
+    plan = warmup_plan(max_seqs, max_len, 2048, hkv, sms, block_n)
     decode = [s for s in plan if s.decode]
     assert {num_kv_splits(s.num_seqs, hkv, sms, block_n, s.seq_len) for s in decode} == every
     prefill = [s for s in plan if not s.decode]
     assert prefill and all(s.seq_len > s.num_seqs for s in prefill), "no prefill-tile step"
-    assert {s.num_seqs for s in decode if s.seq_len == max_len} >= {1, 2, 4}, "a graph size is missing"
     assert all(s.seq_len <= max_len for s in plan)
 
 
@@ -33,7 +32,7 @@ def test_plan_steps_are_valid_runner_batches(tiny_model):
     r = ModelRunner(EngineConfig(model=tiny_model, device="cpu", block_size=16, num_kv_blocks=70,
                                  max_model_len=1024))
     r.allocate_kv_cache(70)
-    for step in warmup_plan(8, r.max_model_len, 2048, r.num_kv_heads, 132, 64, graph_sizes=(3,)):
+    for step in warmup_plan(8, r.max_model_len, 2048, r.num_kv_heads, 132, 64) + [WarmupStep(3, 1024, True)]:
         batch = r.warmup_batch(step)
         logits = r.forward(batch)
         assert logits.shape == (step.num_seqs, r.vocab_size)
