@@ -5,7 +5,8 @@
 For each workload, cluster size and policy, simulated workers (bench/sim/worker.py: continuous
 batching, paged KV, LRU prefix cache) publish through gpu_worker.publisher.Publisher to a
 redis-server started here (or --redis-url), and the router's own Cluster / BlockIndex / Scorer
-read it back and decide. The oracle decides with exact, undelayed state and the same cost formula.
+read it back and decide. The oracle decides with exact, undelayed state (cache, load and the
+simulated GPU's true speed) and the same cost formula (router/scoring.py).
 
 Figures: token-weighted prefix hit rate and its ratio to the oracle's; regret = prefill that a
 worker already holding more of the prompt would have saved / prefill paid; imbalance = max/mean
@@ -41,6 +42,13 @@ from clients.up import find_redis_server, free_port, redis_command, wait_redis  
 from protos.block_hash import namespace_root  # noqa: E402
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "oracle")
+# What each policy minimises (router/scoring.py spells out load, excess and prefill()).
+FORMULAS = {
+    "round_robin": "next worker in turn",
+    "least_loaded": "load + excess + prefill(P), from leases, load events and in-flight credits",
+    "prefix_aware": "load + excess + prefill(P - C), C = cached prefix in the router's index",
+    "oracle": "prefix_aware's cost on every worker's exact cache, load and speed, undelayed",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,19 +152,21 @@ def check_targets(results: list[Result]) -> list[str]:
     for (wl, n, pol), r in sorted(by.items()):
         if pol != "prefix_aware":
             continue
-        o, ll = by.get((wl, n, "oracle")), by.get((wl, n, "least_loaded"))
-        if wl == "shared_prompts" and o:
-            ok = r.hit_rate >= 0.95 * o.hit_rate and r.imbalance <= 1.25
-            lines.append(f"{'met' if ok else 'MISSED'}: shared_prompts, {n} workers: hit rate "
-                         f"{r.hit_rate / o.hit_rate:.3f} of oracle (>= 0.95), imbalance {r.imbalance:.2f} (<= 1.25)")
-        if wl == "no_sharing" and ll:
-            ok = r.goodput >= 0.95 * ll.goodput and r.ttft_p99 <= 1.05 * ll.ttft_p99
-            lines.append(f"{'met' if ok else 'MISSED'}: no_sharing, {n} workers: goodput "
-                         f"{r.goodput / ll.goodput:.3f} and TTFT p99 {r.ttft_p99 / ll.ttft_p99:.3f} of least_loaded "
-                         "(within 5%)")
+        o = by.get((wl, n, "oracle"))
+        if wl in ("shared_prompts", "zipf", "multi_turn") and o:
+            busy = r.busy_imbalance <= 1.25 or wl == "shared_prompts"
+            req = r.imbalance <= (1.25 if wl == "shared_prompts" else 1.5)
+            ok = r.hit_rate >= 0.95 * o.hit_rate and req and busy
+            lines.append(f"{'met' if ok else 'MISSED'}: {wl}, {n} workers: hit rate {r.hit_rate / o.hit_rate:.3f} "
+                         f"of oracle (>= 0.95), imbalance req {r.imbalance:.2f} / busy {r.busy_imbalance:.2f} "
+                         f"(<= {1.25 if wl == 'shared_prompts' else 1.5} / 1.25)")
+        if wl == "no_sharing" and o:
+            ok = r.ttft_p99 <= 1.5 * o.ttft_p99
+            lines.append(f"{'met' if ok else 'MISSED'}: no_sharing, {n} workers: TTFT p99 "
+                         f"{r.ttft_p99 / o.ttft_p99:.2f}x the oracle's (<= 1.5)")
         if n == 32:
-            lines.append(f"{'met' if r.decision_cpu_p99_us <= 2000 else 'MISSED'}: {wl}, 32 workers: decision "
-                         f"p99 {r.decision_cpu_p99_us:.0f} us CPU, {r.decision_p99_us:.0f} us wall (<= 2000)")
+            lines.append(f"{'met' if r.decision_cpu_p99_us <= 1000 else 'MISSED'}: {wl}, 32 workers: decision "
+                         f"p99 {r.decision_cpu_p99_us:.0f} us CPU, {r.decision_p99_us:.0f} us wall (<= 1000)")
     return lines
 
 
@@ -202,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# routing simulator: {' '.join(sys.argv)}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs), python {platform.python_version()}")
+    for pol in policies:
+        print(f"# {pol}: {FORMULAS[pol]}")
     results: list[Result] = []
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)

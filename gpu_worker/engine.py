@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import weakref
 from typing import Iterable, Optional
 
@@ -52,6 +53,7 @@ class LLMEngine:
         self.children: dict[str, list[Request]] = {}    # caller id -> its live sequences
         self.pending: list[StreamDelta] = []            # abort notices for the next step
         self.generation_tokens = 0
+        self.num_steps, self.step_seconds = 0, 0.0
         self._serial = itertools.count()
         live_engines.add(self)
         capacity = self.num_blocks * self.block_size
@@ -149,6 +151,7 @@ class LLMEngine:
             # Nothing fits this step; the runner hears about departures next time.
             self.scheduler.finished_req_ids |= out.finished_req_ids
             return deltas
+        t0 = time.perf_counter()
         try:
             result: ModelRunnerOutput = self.runner.execute(out)
         except Exception:
@@ -159,6 +162,8 @@ class LLMEngine:
             raise
         for req in self.scheduler.update_from_output(out, result):
             deltas.append(self._on_token(req))
+        self.num_steps += 1
+        self.step_seconds += time.perf_counter() - t0
         return deltas
 
     def _on_token(self, req: Request) -> StreamDelta:
@@ -215,7 +220,8 @@ class LLMEngine:
             preemptions=s.num_preemptions, prompt_tokens=s.num_prompt_tokens,
             generation_tokens=self.generation_tokens,
             tokens_stored=sum(r.num_computed_tokens for r in s.running),
-            blocks_held=self.num_blocks - free, block_size=self.block_size)
+            blocks_held=self.num_blocks - free, block_size=self.block_size, num_steps=self.num_steps,
+            step_seconds=self.step_seconds, max_num_batched_tokens=self.max_num_batched_tokens)
 
     def take_kv_events(self) -> list[tuple[str, bytes]]:
         return self.kv.pool.take_events()

@@ -112,6 +112,9 @@ class EngineStats:
     tokens_stored: int                # KV of computed tokens, summed over running requests
     blocks_held: int                  # blocks some request holds (num_blocks - free_blocks)
     block_size: int
+    num_steps: int = 0                # cumulative steps that ran the model
+    step_seconds: float = 0.0         # cumulative wall time of those steps (the publisher fits rates to it)
+    max_num_batched_tokens: int = 0   # token budget of one step
 
     @property
     def kv_utilisation(self) -> float:

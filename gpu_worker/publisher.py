@@ -6,6 +6,10 @@ thread-safe, so a slow or absent Redis cannot slow a step. Redis failures are lo
 with backoff; requests never see them. Events that cannot be pushed are kept (bounded); if the
 bound is hit they are dropped, the batch sequence skips a number so routers notice the gap, and
 a fresh snapshot is published as soon as Redis answers again.
+
+Between heartbeats, a change in running or waiting requests (an admission or a finish) sends
+the lease on the model's load stream, at most once per `load_interval_s`, so routers do not
+balance on figures a heartbeat old.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gpu_worker.step_rates import StepRates
 from protos import redis_schema as rs
 
 log = logging.getLogger(__name__)
@@ -27,10 +32,15 @@ class Publisher:
     def __init__(self, redis_url: str, worker_id: str, model: str, address: str, engine,
                  heartbeat_s: float = 0.5, snapshot_s: float = 5.0, lease_ttl_s: float = 3.0,
                  poll_s: float = 0.02, max_pending_events: int = 200_000,
-                 stream_maxlen: int = rs.STREAM_MAXLEN):
+                 stream_maxlen: int = rs.STREAM_MAXLEN, name: str = "", load_interval_s: float = 0.05):
         if heartbeat_s <= 0 or snapshot_s <= 0 or lease_ttl_s <= heartbeat_s:
             raise ValueError("heartbeat_s, snapshot_s must be > 0 and lease_ttl_s > heartbeat_s")
         self.redis_url, self.worker_id, self.model, self.address = redis_url, worker_id, model, address
+        self.name = name or worker_id
+        self.rates = StepRates()
+        self.load_interval_s = load_interval_s
+        self._published_load: tuple[int, int] | None = None     # (running, waiting) last sent
+        self._next_load = 0.0
         self.engine = engine
         self.heartbeat_s, self.snapshot_s, self.lease_ttl_s = heartbeat_s, snapshot_s, lease_ttl_s
         self.poll_s, self.max_pending, self.stream_maxlen = poll_s, max_pending_events, stream_maxlen
@@ -113,16 +123,27 @@ class Publisher:
         if heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
 
-    async def publish_once(self, heartbeat: bool, snapshot: bool) -> None:
-        """One round: pending events, then the snapshot (when due or owed), then the lease.
-        The snapshot goes before the lease so that a router that sees the lease can sync at once."""
+    async def publish_once(self, heartbeat: bool, snapshot: bool, now: float | None = None) -> None:
+        """One round: pending events, then the snapshot (when due or owed), then the lease, on
+        the heartbeat or, when the load changed, on the load stream. The snapshot goes before
+        the lease so that a router that sees the lease can sync at once. `now` is the clock
+        for the load rate limit (monotonic by default)."""
         self._drain()
         if self.pending:
             await self._push_events()
         if snapshot or self.need_snapshot:
             await self._snapshot()
+        now = time.monotonic() if now is None else now
         if heartbeat:
             await self._heartbeat()
+            self._next_load = now + self.load_interval_s
+        elif now >= self._next_load and self._published_load is not None:
+            st = self.engine.stats()
+            if (st.running, st.waiting) != self._published_load:
+                lease = self._lease(st)
+                await self._redis.xadd(rs.load_key(self.model), {"lease": lease.encode()},
+                                       maxlen=rs.LOAD_STREAM_MAXLEN, approximate=True)
+                self._next_load = now + self.load_interval_s
 
     async def _push_events(self) -> None:
         batch = rs.EventBatch(self.worker_id, self.epoch, self.seq + 1, self.pending)
@@ -131,13 +152,22 @@ class Publisher:
         self.seq, self.stream_id, self.pending = batch.seq, rs._text(sid), []
 
     async def _heartbeat(self) -> None:
-        st = self.engine.stats()
-        lease = rs.Lease(worker_id=self.worker_id, model=self.model, address=self.address,
-                         epoch=self.epoch, block_size=self.engine.block_size, num_blocks=st.num_blocks,
-                         running=st.running, waiting=st.waiting,
-                         queued_prefill_tokens=st.queued_prefill_tokens, kv_usage=st.kv_usage,
-                         free_blocks=st.free_blocks, seq=self.seq, ts=time.time())
+        lease = self._lease(self.engine.stats())
         await self._redis.set(rs.lease_key(self.worker_id), lease.encode(), px=int(self.lease_ttl_s * 1000))
+
+    def _lease(self, st) -> rs.Lease:
+        self._published_load = (st.running, st.waiting)
+        # Engines that keep no step counters (test stand-ins) report the prior.
+        self.rates.observe(*(getattr(st, f, 0) for f in ("num_steps", "step_seconds", "prompt_tokens",
+                                                          "generation_tokens")))
+        return rs.Lease(worker_id=self.worker_id, model=self.model, address=self.address,
+                        epoch=self.epoch, block_size=self.engine.block_size, num_blocks=st.num_blocks,
+                        running=st.running, waiting=st.waiting,
+                        queued_prefill_tokens=st.queued_prefill_tokens, kv_usage=st.kv_usage,
+                        free_blocks=st.free_blocks, seq=self.seq, ts=time.time(),
+                        prefill_tps=self.rates.prefill_tps, decode_tps=self.rates.decode_tps,
+                        step_s=self.rates.step_s, max_batched_tokens=getattr(st, "max_num_batched_tokens", 0),
+                        name=self.name)
 
     async def _snapshot(self) -> None:
         key, ttl = rs.snapshot_key(self.worker_id), int(max(self.lease_ttl_s, 3 * self.snapshot_s) * 1000)

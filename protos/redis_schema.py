@@ -7,6 +7,10 @@ stamped with the worker, its epoch and a per-worker batch sequence number: a rou
 the sequence jump knows it missed events and resynchronises that worker from its snapshot key,
 which holds every cached block hash plus the sequence number and stream id it is current to.
 
+Load changes between heartbeats (a request admitted or finished) go out as the whole lease on a
+per-model load stream, rate-limited by the worker, so routers tailing it act on figures tens of
+milliseconds old rather than a heartbeat old.
+
 The epoch is new for every process, so a router never mixes a dead process's blocks with its
 successor's even when both use the same worker id.
 """
@@ -26,6 +30,7 @@ PREFIX = "pagoda:v1"
 LEASE_PATTERN = f"{PREFIX}:lease:*"
 # Stream length bound (approximate trimming, XADD MAXLEN ~): each entry is one batch.
 STREAM_MAXLEN = 50_000
+LOAD_STREAM_MAXLEN = 10_000   # only the latest entry per worker matters
 STORED, REMOVED = b"+", b"-"
 _OPS = {"stored": STORED, "removed": REMOVED}
 _NAMES = {STORED: "stored", REMOVED: "removed"}
@@ -37,6 +42,10 @@ def lease_key(worker_id: str) -> str:
 
 def events_key(model: str) -> str:
     return f"{PREFIX}:events:{model}"
+
+
+def load_key(model: str) -> str:
+    return f"{PREFIX}:load:{model}"
 
 
 def snapshot_key(worker_id: str) -> str:
@@ -75,6 +84,14 @@ class Lease:
     free_blocks: int = 0
     seq: int = 0            # last event batch sequence number assigned
     ts: float = 0.0         # worker wall clock at the heartbeat
+    # What the worker measured of its own speed (0 = not yet known; routers assume defaults):
+    # a step costs step_s + prefill tokens / prefill_tps + decoding sequences / decode_tps,
+    # and carries at most max_batched_tokens tokens.
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    step_s: float = 0.0
+    max_batched_tokens: int = 0
+    name: str = ""          # stable name for metric labels (pod or --worker-name), unlike worker_id
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -88,7 +105,18 @@ class Lease:
             raise ValueError(f"lease: malformed ({e})") from None
         if not lease.worker_id or not lease.model or not lease.address:
             raise ValueError("lease: worker_id, model and address are required")
+        for name, (lo, hi) in _LEASE_BOUNDS.items():
+            v = getattr(lease, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ValueError(f"lease: {name} must be a number in [{lo}, {hi}] (got {v!r})")
+        if not isinstance(lease.name, str) or len(lease.name) > 253:
+            raise ValueError("lease: name must be a string of at most 253 characters")
         return lease
+
+
+# Speed figures feed the router's arithmetic directly: out-of-range values are refused, not used.
+_LEASE_BOUNDS = {"prefill_tps": (0.0, 1e9), "decode_tps": (0.0, 1e9), "step_s": (0.0, 60.0),
+                 "max_batched_tokens": (0, 1 << 24)}
 
 
 def pack_events(events: list[tuple[str, bytes]]) -> bytes:

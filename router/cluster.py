@@ -1,7 +1,8 @@
 """The router's view of the cluster, kept current from Redis by one background task.
 
 Leases are polled (SCAN + MGET) for workers, their models and load; each model's event stream
-is tailed with XREAD. A worker is (re)synchronised from its snapshot key plus the stream entries
+is tailed with XREAD, and so is its load stream (leases sent between heartbeats when a worker's
+load changes). A worker is (re)synchronised from its snapshot key plus the stream entries
 after it whenever the router has no in-order history for it: a new worker or epoch, a gap in
 its batch sequence, or a Redis reconnect. Routing decisions read only this memory.
 
@@ -35,6 +36,7 @@ class Cluster:
         self.lease_poll_s, self.resync_retry_s, self.reconnect_grace_s = lease_poll_s, resync_retry_s, reconnect_grace_s
         self.workers: dict[str, WorkerState] = {}
         self.cursors: dict[str, str] = {}        # model -> last stream id read
+        self.load_cursors: dict[str, str] = {}   # model -> last load stream id read
         self.connected = False
         self.on_worker_gone = lambda worker_id: None
         self._epochs: dict[str, int] = {}       # highest epoch seen per worker id (fencing)
@@ -126,8 +128,9 @@ class Cluster:
                 log.info("router: worker %s left (lease expired)", wid)
                 self._drop(wid)
         for model in {w.lease.model for w in self.workers.values()} - set(self.cursors):
-            last = await self._redis.xrevrange(rs.events_key(model), count=1)
-            self.cursors[model] = rs._text(last[0][0]) if last else "0-0"
+            for cursors, key in ((self.cursors, rs.events_key(model)), (self.load_cursors, rs.load_key(model))):
+                last = await self._redis.xrevrange(key, count=1)
+                cursors[model] = rs._text(last[0][0]) if last else "0-0"
 
     def _upsert(self, lease: rs.Lease) -> None:
         w = self.workers.get(lease.worker_id)
@@ -181,14 +184,26 @@ class Cluster:
             if block_ms:
                 await asyncio.sleep(block_ms / 1000)   # nothing to wait on yet: pace the loop
             return
-        keys = {rs.events_key(m): m for m in self.cursors}
-        reply = await self._redis.xread({k: self.cursors[m] for k, m in keys.items()},
+        keys = {rs.events_key(m): (m, self.cursors) for m in self.cursors}
+        keys.update({rs.load_key(m): (m, self.load_cursors) for m in self.load_cursors})
+        reply = await self._redis.xread({k: cursors[m] for k, (m, cursors) in keys.items()},
                                         count=1000, block=block_ms)
         for stream, entries in _stream_items(reply):
-            model = keys[rs._text(stream)]
+            model, cursors = keys[rs._text(stream)]
+            apply = self._apply if cursors is self.cursors else self._apply_load
             for sid, fields in entries:
-                self._apply(fields)
-                self.cursors[model] = rs._text(sid)
+                apply(fields)
+                cursors[model] = rs._text(sid)
+
+    def _apply_load(self, fields: dict) -> None:
+        try:
+            lease = rs.Lease.decode(fields.get(b"lease", fields.get("lease", b"")))
+        except ValueError as e:
+            log.warning("router: ignoring load %s", e)
+            return
+        w = self.workers.get(lease.worker_id)
+        if w is not None and w.lease.epoch == lease.epoch:
+            w.on_heartbeat(lease)
 
     def _apply(self, fields: dict, only: str | None = None) -> None:
         try:

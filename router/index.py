@@ -1,4 +1,10 @@
-"""The router's in-memory mirror of which worker caches which block: hash -> worker ids.
+"""The router's in-memory mirror of which worker caches which block: hash -> bitmap of workers.
+
+Each worker the index has seen holds one bit (reused after it leaves); a block's owners are one
+Python int, so the longest-prefix walk over a request's chain is an AND per block that stops at
+the first block nobody left in the running holds, and its cost does not grow with the number of
+workers. Each worker's own set of hashes is kept too, so a worker that leaves or resyncs is
+removed without a scan of the whole index.
 
 Bounded: past `max_blocks` hashes the least recently touched entry goes (a lookup or a store
 touches), so memory stays fixed however many blocks the cluster churns through. Speculative
@@ -17,9 +23,12 @@ class BlockIndex:
         if max_blocks < 1:
             raise ValueError(f"index_max_blocks: must be at least 1 (got {max_blocks})")
         self.max_blocks, self.speculative_ttl_s = max_blocks, speculative_ttl_s
-        self._owners: OrderedDict[bytes, set[str]] = OrderedDict()
+        self._owners: OrderedDict[bytes, int] = OrderedDict()      # hash -> bitmap of worker bits
         self._by_worker: dict[str, set[bytes]] = {}
-        self._speculative: dict[tuple[str, bytes], float] = {}   # (worker, hash) -> deadline
+        self._bit: dict[str, int] = {}                             # worker -> its bit
+        self._name: dict[int, str] = {}                            # bit -> worker
+        self._free_bits: list[int] = []
+        self._speculative: dict[str, dict[bytes, float]] = {}      # worker -> hash -> deadline
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -30,29 +39,46 @@ class BlockIndex:
     def workers(self) -> list[str]:
         return [w for w, hs in self._by_worker.items() if hs]
 
+    def _flag(self, worker: str) -> int:
+        bit = self._bit.get(worker)
+        if bit is None:
+            bit = self._free_bits.pop() if self._free_bits else len(self._bit)
+            self._bit[worker], self._name[bit] = bit, worker
+            self._by_worker[worker] = set()
+        return 1 << bit
+
     def add(self, worker: str, hashes: Iterable[bytes]) -> None:
-        mine = self._by_worker.setdefault(worker, set())
+        flag, owners = self._flag(worker), self._owners
+        mine, spec = self._by_worker[worker], self._speculative.get(worker)
         for h in hashes:
-            self._speculative.pop((worker, h), None)
-            owners = self._owners.get(h)
-            if owners is None:
-                owners = self._owners[h] = set()
+            if spec:
+                spec.pop(h, None)
+            m = owners.get(h)
+            if m is None:
+                owners[h] = flag
             else:
-                self._owners.move_to_end(h)
-            owners.add(worker)
+                owners[h] = m | flag
+                owners.move_to_end(h)
             mine.add(h)
         self._evict()
 
     def remove(self, worker: str, hashes: Iterable[bytes]) -> None:
-        mine = self._by_worker.get(worker, set())
+        bit = self._bit.get(worker)
+        if bit is None:
+            return
+        keep, owners = ~(1 << bit), self._owners
+        mine, spec = self._by_worker[worker], self._speculative.get(worker)
         for h in hashes:
-            self._speculative.pop((worker, h), None)
+            if spec:
+                spec.pop(h, None)
             mine.discard(h)
-            owners = self._owners.get(h)
-            if owners is not None:
-                owners.discard(worker)
-                if not owners:
-                    del self._owners[h]
+            m = owners.get(h)
+            if m is not None:
+                m &= keep
+                if m:
+                    owners[h] = m
+                else:
+                    del owners[h]
 
     def apply(self, worker: str, events: Sequence[tuple[str, bytes]]) -> None:
         """Stream events in order; a block stored then removed in one batch ends up absent."""
@@ -60,8 +86,13 @@ class BlockIndex:
             (self.add if kind == "stored" else self.remove)(worker, (h,))
 
     def drop_worker(self, worker: str) -> None:
-        self.remove(worker, list(self._by_worker.pop(worker, ())))
-        self._speculative = {k: v for k, v in self._speculative.items() if k[0] != worker}
+        if worker not in self._bit:
+            return
+        self.remove(worker, list(self._by_worker[worker]))
+        bit = self._bit.pop(worker)
+        del self._name[bit], self._by_worker[worker]
+        self._speculative.pop(worker, None)
+        self._free_bits.append(bit)        # every block has lost this bit: safe to hand out again
 
     def replace_worker(self, worker: str, hashes: Iterable[bytes]) -> None:
         self.drop_worker(worker)
@@ -70,36 +101,59 @@ class BlockIndex:
     def speculate(self, worker: str, hashes: Sequence[bytes], now: float | None = None) -> None:
         """Record that `worker` is about to cache `hashes` (not yet reported)."""
         deadline = (time.monotonic() if now is None else now) + self.speculative_ttl_s
-        new = [h for h in hashes if worker not in self._owners.get(h, ())]
+        flag = self._flag(worker)
+        new = [h for h in hashes if not self._owners.get(h, 0) & flag]
         self.add(worker, new)
+        spec = self._speculative.setdefault(worker, {})
         for h in new:
-            self._speculative[(worker, h)] = deadline
+            spec[h] = deadline
 
     def expire_speculation(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        dead = [k for k, t in self._speculative.items() if t <= now]
-        for worker, h in dead:
-            self.remove(worker, (h,))
+        for worker, spec in list(self._speculative.items()):
+            dead = [h for h, t in spec.items() if t <= now]
+            if dead:
+                self.remove(worker, dead)
 
-    def overlap(self, hashes: Sequence[bytes], workers: Iterable[str]) -> dict[str, int]:
-        """Leading blocks of `hashes` each worker holds (a chain is only usable from its start)."""
-        alive = set(workers)
-        result = dict.fromkeys(alive, 0)
-        for i, h in enumerate(hashes):
-            owners = self._owners.get(h)
-            if not owners:
+    def overlap(self, hashes: Sequence[bytes], workers: Iterable[str] | None = None) -> dict[str, int]:
+        """Leading blocks of `hashes` each worker holds (a chain is only usable from its start);
+        workers holding none are left out. `workers` limits the answer to those."""
+        owners = self._owners
+        mask, depth, result = -1, 0, {}
+        for h in hashes:
+            m = owners.get(h)
+            if not m:
                 break
-            self._owners.move_to_end(h)
-            alive &= owners
-            if not alive:
+            owners.move_to_end(h)
+            held = mask & m
+            if not held:
                 break
-            for w in alive:
-                result[w] = i + 1
+            if held != mask and depth:
+                self._record(mask & ~held, depth, result)    # these stop here
+            mask, depth = held, depth + 1
+        if depth:
+            self._record(mask, depth, result)
+        if workers is not None:
+            wanted = set(workers)
+            result = {w: n for w, n in result.items() if w in wanted}
         return result
 
+    def _record(self, bits: int, depth: int, result: dict[str, int]) -> None:
+        name = self._name
+        while bits:
+            low = bits & -bits
+            result[name[low.bit_length() - 1]] = depth
+            bits ^= low
+
     def _evict(self) -> None:
-        while len(self._owners) > self.max_blocks:
-            h, owners = self._owners.popitem(last=False)
-            for w in owners:
+        owners, name = self._owners, self._name
+        while len(owners) > self.max_blocks:
+            h, m = owners.popitem(last=False)
+            while m:
+                low = m & -m
+                w = name[low.bit_length() - 1]
                 self._by_worker[w].discard(h)
-                self._speculative.pop((w, h), None)
+                spec = self._speculative.get(w)
+                if spec:
+                    spec.pop(h, None)
+                m ^= low

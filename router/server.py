@@ -148,6 +148,7 @@ class RouterService(pb_grpc.GenerationServicer):
         while resp is not grpc.aio.EOF:
             if resp.finished and resp.index == 0 and not reported and resp.HasField("usage"):
                 self.metrics.reported_cached.inc(resp.usage.cached_prompt_tokens)
+                self.scorer.observe_output(resp.usage.completion_tokens)
                 reported = True
             yield resp
             resp = await call.read()
@@ -204,7 +205,7 @@ class RouterService(pb_grpc.GenerationServicer):
         root = namespace_root(model, request.adapter, request.cache_salt)
         hashes = block_hashes(token_ids, workers[0].lease.block_size, root)
         allowed = [w for w in workers if not self.breaker.is_open(w.id)] or workers
-        return self.scorer.rank(model, allowed, len(token_ids), hashes), hashes
+        return self.scorer.rank(model, allowed, len(token_ids), hashes, self.max_attempts), hashes
 
     async def _model_info(self, model, workers) -> pb.ModelInfoResponse:
         last = None

@@ -107,3 +107,38 @@ def test_dropped_events_leave_a_sequence_gap_and_a_fresh_snapshot(redis_server):
         assert set(snap.hashes) == set(eng.cached_block_hashes())
         await pub.stop()
     asyncio.run(main())
+
+
+def test_load_changes_reach_a_router_between_heartbeats_rate_limited(redis_server):
+    import redis.asyncio as aioredis
+
+    from router.cluster import Cluster
+    from router.index import BlockIndex
+
+    async def main():
+        r = redis.Redis.from_url(redis_server.url)
+        eng = FakeEngine("m", block_size=16, num_blocks=100)
+        pub = Publisher(redis_server.url, "w1", "m", "127.0.0.1:1", eng, name="pod-7", load_interval_s=0.05)
+        pub._redis = aioredis.from_url(redis_server.url)       # driven by hand, on a made-up clock
+        cluster = Cluster(redis_server.url, BlockIndex())
+        cluster._redis = aioredis.from_url(redis_server.url)
+        await pub.publish_once(True, True, now=0.0)
+        await cluster.sync_once(True, block_ms=None)
+        w = cluster.workers["w1"]
+        assert (w.name, w.lease.running) == ("pod-7", 0) and w.lease.prefill_tps > 0
+        eng.running = 3
+        await pub.publish_once(False, False, now=0.01)          # within the rate limit: nothing
+        assert r.xlen(rs.load_key("m")) == 0
+        await pub.publish_once(False, False, now=0.06)
+        await pub.publish_once(False, False, now=0.2)           # no change since: nothing more
+        assert r.xlen(rs.load_key("m")) == 1
+        await cluster.sync_once(False, block_ms=None)           # no lease poll: the stream alone
+        assert w.lease.running == 3
+        r.xadd(rs.load_key("m"), {"lease": b"{broken"})          # skipped with a warning
+        other = rs.Lease("w1", "m", "x:1", pub.epoch - 1, 16, running=50, ts=time.time() + 5)
+        r.xadd(rs.load_key("m"), {"lease": other.encode()})     # an older process's: fenced off
+        await cluster.sync_once(False, block_ms=None)
+        assert w.lease.running == 3 and cluster.workers["w1"] is w
+        await pub._redis.aclose()
+        await cluster._redis.aclose()
+    asyncio.run(main())

@@ -1,4 +1,6 @@
 """The Redis key schema's encodings: round trips and clear errors on malformed data."""
+import json
+
 import pytest
 
 from protos import redis_schema as rs
@@ -21,6 +23,18 @@ def test_lease_round_trip_and_validation():
         rs.Lease.decode(b"{not json")
     with pytest.raises(ValueError, match="address"):
         rs.Lease.decode(b'{"worker_id":"w","model":"m","address":"","epoch":1,"block_size":16}')
+
+
+def test_lease_speed_figures_are_bounded():
+    lease = rs.Lease("w1", "m", "a:1", 1, 16, prefill_tps=16000.0, decode_tps=4000.0, step_s=0.006,
+                     max_batched_tokens=4096, name="pod-0")
+    assert rs.Lease.decode(lease.encode()) == lease
+    for field, bad in (("prefill_tps", -1.0), ("decode_tps", 1e12), ("step_s", 120.0),
+                       ("max_batched_tokens", "many"), ("prefill_tps", True)):
+        raw = lease.encode().replace(f'"{field}":'.encode(), f'"{field}":{json.dumps(bad)},"_":'.encode())
+        with pytest.raises(ValueError, match=field):
+            rs.Lease.decode(raw)
+    assert rs.load_key("m") not in {rs.events_key("m"), rs.lease_key("m"), rs.snapshot_key("m")}
 
 
 def test_epochs_increase_across_processes():

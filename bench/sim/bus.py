@@ -36,10 +36,10 @@ class RedisBus:
             self._next_heartbeat = now + self.heartbeat_s
         if snapshot:
             self._next_snapshot = now + self.snapshot_s
-        self.loop.run_until_complete(self._all(heartbeat, snapshot))
+        self.loop.run_until_complete(self._all(heartbeat, snapshot, now))
 
-    async def _all(self, heartbeat: bool, snapshot: bool) -> None:
-        await asyncio.gather(*(p.publish_once(heartbeat, snapshot) for p in self.pubs))
+    async def _all(self, heartbeat: bool, snapshot: bool, now: float) -> None:
+        await asyncio.gather(*(p.publish_once(heartbeat, snapshot, now) for p in self.pubs))
 
     def close(self) -> None:
         self.loop.run_until_complete(self.client.aclose())

@@ -67,6 +67,9 @@ class RouterPolicy:
         if w is not None:
             w.prefill_done(req.rid)
 
+    def on_finish(self, req) -> None:
+        self.scorer.observe_output(len(req.output))
+
     def close(self) -> None:
         self.loop.run_until_complete(self.cluster._redis.aclose())
 
@@ -75,25 +78,31 @@ class OraclePolicy:
     name = "oracle"
 
     def __init__(self, workers, seed: int, block_size: int):
-        self.workers, self.rng, self.block_size = workers, random.Random(seed), block_size
+        self.workers, self.block_size = workers, block_size
+        self.scorer = Scorer("prefix_aware", BlockIndex(), random.Random(seed))
 
     def sync(self, now: float) -> None:
         pass
 
     def choose(self, req, now: float) -> tuple[int, int, int]:
-        best = None
+        states, overlap = [], {}
         for i, w in enumerate(self.workers):
-            st = w.stats()
+            st, c = w.stats(), w.cost
+            # Exact load and the exact step-time model, where the router has reports and fits.
             lease = rs.Lease(f"sim-{i}", MODEL, "-", 0, self.block_size, st.num_blocks, st.running, st.waiting,
-                             st.queued_prefill_tokens, st.kv_usage, st.free_blocks)
-            cost = len(req.prompt) - w.cached_prefix_tokens(req) + WorkerState(lease).load_cost()
-            key = (cost, self.rng.random())
-            if best is None or key < best[0]:
-                best = (key, i)
-        return best[1], 0, 0
+                             st.queued_prefill_tokens, st.kv_usage, st.free_blocks,
+                             prefill_tps=1 / c.prefill_token_s, decode_tps=1 / c.decode_seq_s, step_s=c.base_s,
+                             max_batched_tokens=w.max_batched_tokens)
+            states.append(WorkerState(lease))
+            overlap[lease.worker_id] = w.cached_prefix_tokens(req) // self.block_size
+        best = self.scorer.rank_overlap(MODEL, states, len(req.prompt), overlap, limit=1)[0]
+        return int(best.worker.id.rsplit("-", 1)[1]), 0, 0
 
     def on_first_token(self, req) -> None:
         pass
+
+    def on_finish(self, req) -> None:
+        self.scorer.observe_output(len(req.output))
 
     def close(self) -> None:
         pass

@@ -119,6 +119,7 @@ class Simulation:
         for r in first:
             self.policy.on_first_token(r)
         for r in finished:
+            self.policy.on_finish(r)
             self.done.append(r)
             self.pending -= 1
             if r.follow_up is not None:

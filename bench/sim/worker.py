@@ -51,6 +51,9 @@ class SimStats:
     preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    num_steps: int = 0
+    step_seconds: float = 0.0
+    max_num_batched_tokens: int = 0
 
 
 class SimWorker:
@@ -67,6 +70,7 @@ class SimWorker:
         self.busy = False
         self._events: list[tuple[str, bytes]] = []
         self.queries = self.hits = self.prompt_tokens = self.generation_tokens = self.evictions = 0
+        self.num_steps, self.step_seconds = 0, 0.0
 
     # ---- what routers may know -------------------------------------------------------
     def cached_prefix_tokens(self, req: SimRequest) -> int:
@@ -78,7 +82,8 @@ class SimWorker:
         queued = sum(len(r.prompt) - r.computed for r in self.running) + sum(len(r.prompt) for r in self.waiting)
         return SimStats(len(self.running), len(self.waiting), queued, self.num_blocks, free,
                         1.0 - free / self.num_blocks, self.queries, self.hits, 0,
-                        self.prompt_tokens, self.generation_tokens)
+                        self.prompt_tokens, self.generation_tokens, self.num_steps, self.step_seconds,
+                        self.max_batched_tokens)
 
     def take_kv_events(self) -> list[tuple[str, bytes]]:
         events, self._events = self._events, []
@@ -115,7 +120,12 @@ class SimWorker:
             budget -= n
         prefill = sum(n for _, n in self.plan)
         self.prompt_tokens += prefill
-        return self.cost.step_time(prefill, decode) if (prefill or decode) else 0.0
+        if not (prefill or decode):
+            return 0.0
+        dt = self.cost.step_time(prefill, decode)
+        self.num_steps += 1
+        self.step_seconds += dt
+        return dt
 
     def end_step(self, now: float) -> tuple[list[SimRequest], list[SimRequest]]:
         """Apply the planned step; returns (requests that got their first token, requests finished)."""

@@ -1,0 +1,134 @@
+"""The router's cost model (router/scoring.py): exact figures on hand-built workers, no I/O."""
+import random
+
+import pytest
+
+from protos.block_hash import block_hashes, namespace_root
+from protos.redis_schema import Lease
+from router.index import BlockIndex
+from router.scoring import DECODE_SHARE, DEFAULT_OUTPUT_TOKENS, Scorer, WorkerState
+
+# 1 ms per prompt token, 1 ms per decoding sequence per step, 10 ms per step, 100 tokens per step:
+# with D sequences decoding, a prompt token costs 1 ms + (10 ms + D ms) / 100.
+RATES = dict(prefill_tps=1000.0, decode_tps=1000.0, step_s=0.01, max_batched_tokens=100)
+
+
+def per_token(decoding=0):
+    return 0.001 + (0.01 + decoding * 0.001) / 100
+
+
+def chain(n_blocks, first=0):
+    return block_hashes(list(range(first, first + n_blocks * 16)), 16, namespace_root("m"))
+
+
+def worker(wid, rates=RATES, **load):
+    return WorkerState(Lease(wid, "m", f"h:{wid}", 1, 16, num_blocks=100, free_blocks=100, **rates, **load))
+
+
+def scorer(policy="prefix_aware", idx=None, seed=0, **kw):
+    return Scorer(policy, idx or BlockIndex(), random.Random(seed), **kw)
+
+
+def test_cost_is_the_documented_formula():
+    w = worker("a", running=2, waiting=1, queued_prefill_tokens=200)
+    w.credit("r1", 50, now=10.0)
+    d = 4                                               # running + waiting + one credit
+    load = 250 * per_token(d) + DECODE_SHARE * DEFAULT_OUTPUT_TOKENS * d / 1000
+    assert w.load_cost() == pytest.approx(load)
+    (c,) = scorer().rank("m", [w], 100, chain(6, first=999))
+    assert c.cost == pytest.approx(load + 100 * per_token(d)) and c.cached_tokens == 0
+
+
+def test_a_hot_prefix_stays_until_its_holders_queue_makes_a_cold_prefill_elsewhere_faster():
+    idx, h = BlockIndex(), chain(8)                     # 128 tokens cached on a; prompt of 130
+    idx.add("a", h)
+    s = scorer(idx=idx)
+    a, b = worker("a", queued_prefill_tokens=127), worker("b")
+    ranked = s.rank("m", [a, b], 130, h)
+    assert [c.worker.id for c in ranked] == ["a", "b"] and ranked[0].cached_tokens == 128
+    assert ranked[0].cost == pytest.approx((127 + 2) * per_token())
+    a.on_heartbeat(Lease("a", "m", "h:a", 1, 16, queued_prefill_tokens=129, **RATES))
+    assert s.rank("m", [a, b], 130, h)[0].worker.id == "b"      # b computes it and caches a copy
+    # Overlap is capped at prompt_len - 1: the engine always recomputes the last token.
+    assert s.rank("m", [worker("a")], 128, h)[0].cached_tokens == 127
+
+
+def test_a_worker_past_the_balance_bound_pays_its_excess_twice():
+    idx, h = BlockIndex(), chain(100)                   # 1600 tokens cached on a
+    idx.add("a", h)
+    others = [worker(w, running=10) for w in "bcd"]
+    a = worker("a", running=10, queued_prefill_tokens=1500)
+    pt = per_token(10)
+    load_a, load_b = a.load_cost(), others[0].load_cost()
+    # Unbounded, a's saving (1600 tokens) outweighs its extra queue (1500): it would win.
+    assert load_a + 1 * pt < load_b + 1601 * pt
+    mean = (load_a + 3 * load_b) / 4
+    assert load_a > 1.5 * mean
+    ranked = scorer(idx=idx, balance=1.5).rank("m", [a] + others, 1601, h)
+    assert ranked[0].worker.id != "a"
+    a_cost = next(c.cost for c in ranked if c.worker.id == "a")
+    assert a_cost == pytest.approx(load_a + (load_a - 1.5 * mean) + 1 * pt)
+    assert scorer(idx=idx, balance=100.0).rank("m", [a] + others, 1601, h)[0].worker.id == "a"
+    with pytest.raises(ValueError, match="balance"):
+        scorer(balance=0.5)
+
+
+def test_measured_rates_decide_between_workers():
+    slow = worker("slow", rates=dict(RATES, prefill_tps=500.0))
+    fast = worker("fast")
+    assert scorer().rank("m", [slow, fast], 500, chain(31, first=7))[0].worker.id == "fast"
+    # A worker that has not measured its speed yet is costed at the defaults, not at zero.
+    assert worker("new", rates={}, queued_prefill_tokens=100).load_cost() > 0
+
+
+def test_in_flight_credit_spreads_a_burst_and_clears_on_a_later_report():
+    a, b = worker("a"), worker("b")
+    s = scorer(seed=1)
+    first = s.rank("m", [a, b], 100, chain(6, first=1000))[0].worker
+    first.credit("r1", 100, now=10.0)
+    assert s.rank("m", [a, b], 100, chain(6, first=5000))[0].worker is not first
+    decode = DECODE_SHARE * DEFAULT_OUTPUT_TOKENS / 1000
+    assert first.load_cost() == pytest.approx(100 * per_token(1) + decode)
+    first.prefill_done("r1")
+    assert first.load_cost() == pytest.approx(decode)
+    first.on_heartbeat(Lease(first.id, "m", "h", 1, 16, ts=9.0, **RATES))    # stamped before the send
+    assert first.credits
+    first.on_heartbeat(Lease(first.id, "m", "h", 1, 16, ts=11.0, **RATES))   # after: the report counts it
+    assert not first.credits and first.load_cost() == 0
+    # Reports arrive by two paths; an older one never replaces a newer one.
+    first.on_heartbeat(Lease(first.id, "m", "h", 1, 16, ts=10.5, running=9, **RATES))
+    assert first.lease.running == 0
+
+
+def test_kv_pressure_penalty():
+    calm, full = worker("a", kv_usage=0.5), worker("b", kv_usage=0.99)
+    assert calm.load_cost() == 0
+    assert full.load_cost() == pytest.approx(4096 * per_token() * (0.19 / 0.2) ** 2)
+
+
+def test_least_loaded_ignores_cache_and_round_robin_rotates():
+    idx, h = BlockIndex(), chain(4)
+    idx.add("a", h)
+    a, b = worker("a", running=1), worker("b")
+    assert scorer("least_loaded", idx).rank("m", [a, b], 70, h)[0].worker.id == "b"
+    assert scorer("prefix_aware", idx).rank("m", [a, b], 70, h)[0].worker.id == "a"
+    rr = scorer("round_robin", idx)
+    assert [rr.rank("m", [a, b], 70, h)[0].worker.id for _ in range(4)] == ["a", "b", "a", "b"]
+    with pytest.raises(ValueError, match="policy"):
+        Scorer("fastest", idx)
+
+
+def test_ties_break_at_random_and_limit_keeps_the_best():
+    s = scorer(seed=3)
+    picks = {s.rank("m", [worker("a"), worker("b")], 50, chain(3))[0].worker.id for _ in range(40)}
+    assert picks == {"a", "b"}
+    ws = [worker(f"w{i}", queued_prefill_tokens=10 * i) for i in range(8)]
+    assert [c.worker.id for c in s.rank("m", ws, 50, chain(3), limit=3)] == ["w0", "w1", "w2"]
+
+
+def test_expected_output_follows_finished_requests():
+    s = scorer()
+    for _ in range(400):
+        s.observe_output(1000)
+    # Kept whole (each worker's memoised load stays valid until O moves), so it settles just short.
+    assert 970 <= s.output_tokens <= 1000 and s.output_tokens == int(s.output_tokens)
