@@ -40,7 +40,20 @@ def block_hashes(token_ids: Sequence[int], block_size: int, root: bytes,
     for a prefix, which are extended rather than recomputed."""
     hashes = list(start)
     parent = hashes[-1] if hashes else root
-    for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+    first, n = len(hashes), len(token_ids) // block_size
+    if n <= first:
+        return hashes
+    # The same bytes hash_block feeds BLAKE2b, packed once and hashed per block from a copied
+    # initial state: a third of the cost of hash_block per block (it sits in every routing decision).
+    data = memoryview(struct.pack(f"<{(n - first) * block_size}I", *token_ids[first * block_size:n * block_size]))
+    step = 4 * block_size
+    for i in range(0, len(data), step):
+        h = _EMPTY.copy()
+        h.update(parent)
+        h.update(data[i:i + step])
+        parent = h.digest()
         hashes.append(parent)
     return hashes
+
+
+_EMPTY = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_PERSON)

@@ -33,6 +33,11 @@ class CircuitBreaker:
         now = time.monotonic() if now is None else now
         return s is not None and s.failures >= self.threshold and now < s.open_until
 
+    def open_workers(self, now: float | None = None) -> set[str]:
+        """Workers sitting out a cooldown now (one pass over the few with failures, not the fleet)."""
+        now = time.monotonic() if now is None else now
+        return {w for w, s in self._states.items() if s.failures >= self.threshold and now < s.open_until}
+
     def failure(self, worker: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         s = self._states.setdefault(worker, _State())

@@ -4,8 +4,8 @@ The cost is time, in seconds, from the speed each worker measures and reports in
 (gpu_worker/step_rates.py): a step costs  s + p / Rp + d / Rd  for p prompt tokens and d
 decoding sequences, carrying at most B tokens. For worker w, a request of P prompt tokens of
 which C are cached on w, Q prefill tokens queued on w (reported, plus this router's in-flight
-credits), D sequences decoding there (running + waiting + credits) and O the expected output
-length (learned from finished requests):
+credits), D sequences decoding there (running + waiting + credits - those ended since the
+report) and O the expected output length (learned from finished requests):
 
     prefill(x) = x / Rp + (x / B) * (s + D / Rd)   x prompt tokens in steps that also carry D decodes
     load       = prefill(Q)                        drain the queued prefill
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -58,6 +59,11 @@ class WorkerState:
     next_resync: float = 0.0
     credits: dict[str, Credit] = field(default_factory=dict)   # request id -> in-flight credit
     credit_prefill: int = 0                 # sum of the credits' prefill tokens
+    # Requests a report already counts (their credit was dropped): request id -> sent at; and
+    # requests that ended, until a report stamped after their end: id -> (sent at, ended at).
+    # A report stamped between the two still counts one as running, so it is taken off.
+    counted: dict[str, float] = field(default_factory=dict)
+    gone: dict[str, tuple[float, float]] = field(default_factory=dict)
     _memo: tuple[float, float, float, float] | None = field(default=None, repr=False)   # (O, *load())
 
     @property
@@ -76,7 +82,7 @@ class WorkerState:
         self._memo = None
 
     def prefill_done(self, request_id: str) -> None:
-        """First token out: its prefill no longer waits, but it decodes until the next report."""
+        """First token out: its prefill no longer waits, but it decodes until it finishes."""
         c = self.credits.get(request_id)
         if c:
             self.credit_prefill -= c.prefill_tokens
@@ -84,19 +90,34 @@ class WorkerState:
             self._memo = None
 
     def uncredit(self, request_id: str) -> None:
+        """The request never ran here (it failed before its first token)."""
         c = self.credits.pop(request_id, None)
         if c:
             self.credit_prefill -= c.prefill_tokens
             self._memo = None
+        self.counted.pop(request_id, None)
+
+    def finish(self, request_id: str, now: float) -> None:
+        """The request's stream ended: it no longer loads the worker, reported or not."""
+        c = self.credits.pop(request_id, None)
+        if c:
+            self.credit_prefill -= c.prefill_tokens
+            self.gone[request_id] = (c.sent_at, now)
+        elif request_id in self.counted:
+            self.gone[request_id] = (self.counted.pop(request_id), now)
+        self._memo = None
 
     def on_heartbeat(self, lease: Lease) -> None:
-        """A report stamped after a request was sent already counts it: drop its credit.
-        Reports come by two paths (lease key, load stream); an older one never replaces a newer."""
+        """A report stamped after a request was sent already counts it: drop its credit; one
+        stamped after it ended no longer counts it. Reports come by two paths (lease key, load
+        stream); an older one never replaces a newer."""
         if lease.ts < self.lease.ts:
             return
         self.lease = lease
-        self.credits = {k: c for k, c in self.credits.items() if c.sent_at >= lease.ts}
+        for k in [k for k, c in self.credits.items() if c.sent_at < lease.ts]:
+            self.counted[k] = self.credits.pop(k).sent_at
         self.credit_prefill = sum(c.prefill_tokens for c in self.credits.values())
+        self.gone = {k: t for k, t in self.gone.items() if t[1] >= lease.ts}
         self._memo = None
 
     def rates(self) -> tuple[float, float, float, int]:
@@ -113,7 +134,8 @@ class WorkerState:
             return memo[1], memo[2], memo[3]
         rp, rd, s, b = self.rates()
         ls = self.lease
-        decoding = ls.running + ls.waiting + len(self.credits)
+        ended = sum(1 for sent, _ in self.gone.values() if sent < ls.ts) if self.gone else 0
+        decoding = max(0, ls.running + ls.waiting + len(self.credits) - ended)
         per_token = 1.0 / rp + (s + decoding / rd) / b
         load = (ls.queued_prefill_tokens + self.credit_prefill) * per_token + DECODE_SHARE * output_tokens * decoding / rd
         if ls.kv_usage > KV_KNEE:
@@ -141,13 +163,16 @@ class Scorer:
             raise ValueError(f"balance: must be at least 1.0 (got {balance})")
         self.policy, self.index, self.balance = policy, index, balance
         self.rng = rng or random.Random()
-        self.output_tokens = float(DEFAULT_OUTPUT_TOKENS)     # O: moving average of finished outputs
+        self.output_tokens = float(DEFAULT_OUTPUT_TOKENS)     # O, as used in the cost
+        self._output_avg = self.output_tokens
         self._rr: dict[str, itertools.count] = {}
 
     def observe_output(self, tokens: int) -> None:
-        """A finished request's output length; O follows a slow moving average, kept whole so
-        that each worker's memoised load stays valid between changes."""
-        self.output_tokens = float(round(0.98 * self.output_tokens + 0.02 * max(tokens, 1)))
+        """A finished request's output length. O is a quick moving average (a few dozen requests
+        re-learn it) rounded to a step of 2^(1/4), so that each worker's memoised load stays
+        valid until O really moves."""
+        self._output_avg += 0.1 * (max(tokens, 1) - self._output_avg)
+        self.output_tokens = 2.0 ** (round(4 * math.log2(self._output_avg)) / 4)
 
     def rank(self, model: str, workers: list[WorkerState], prompt_len: int,
              hashes: list[bytes], limit: int | None = None) -> list[Choice]:

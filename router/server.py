@@ -132,6 +132,7 @@ class RouterService(pb_grpc.GenerationServicer):
                               "tokens already sent cannot be retried") from None
             finally:
                 call.cancel()               # no-op when finished; aborts the worker's request otherwise
+                w.finish(upstream.request_id, time.time())     # it no longer loads the worker
             self.metrics.attempts.labels(w.id, "ok").inc()
             self.metrics.decisions.labels(policy, outcome).inc()
             return
@@ -204,7 +205,8 @@ class RouterService(pb_grpc.GenerationServicer):
         """The routing decision, with no I/O: candidates best first, and the prompt's block hashes."""
         root = namespace_root(model, request.adapter, request.cache_salt)
         hashes = block_hashes(token_ids, workers[0].lease.block_size, root)
-        allowed = [w for w in workers if not self.breaker.is_open(w.id)] or workers
+        shut = self.breaker.open_workers()
+        allowed = ([w for w in workers if w.id not in shut] or workers) if shut else workers
         return self.scorer.rank(model, allowed, len(token_ids), hashes, self.max_attempts), hashes
 
     async def _model_info(self, model, workers) -> pb.ModelInfoResponse:

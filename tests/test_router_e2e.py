@@ -24,8 +24,11 @@ TOPICS = ["the weather", "the sea", "the mountains", "the stars", "counting numb
 
 def system_prompt(p: int) -> str:
     topic = TOPICS[p % len(TOPICS)]
+    # Long enough that its cached prefill outweighs a few requests in flight on its holder: the
+    # router trades the two in time, and a 50-token prefix is worth less than one queued request.
+    rules = " ".join(f"Rule {i}: keep to {topic} and be brief." for i in range(12))
     return (f"You are assistant number {p}. You answer questions about {topic}, briefly and politely. "
-            f"Always mention {topic} once, and never talk about anything else than {topic}.")
+            f"Always mention {topic} once, and never talk about anything else than {topic}. {rules}")
 
 
 def chat(p: int, k: int) -> list[pb.ChatMessage]:

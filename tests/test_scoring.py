@@ -1,4 +1,5 @@
 """The router's cost model (router/scoring.py): exact figures on hand-built workers, no I/O."""
+import math
 import random
 
 import pytest
@@ -100,6 +101,25 @@ def test_in_flight_credit_spreads_a_burst_and_clears_on_a_later_report():
     assert first.lease.running == 0
 
 
+def test_a_request_that_ended_stops_loading_its_worker_before_the_next_report():
+    w = worker("a")
+    w.credit("r1", 100, now=10.0)
+    w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=11.0, running=1, **RATES))     # counts r1
+    one = DECODE_SHARE * DEFAULT_OUTPUT_TOKENS / 1000
+    assert not w.credits and w.load_cost() == pytest.approx(one)
+    w.finish("r1", now=11.5)
+    assert w.load_cost() == 0
+    w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=11.2, running=1, **RATES))     # older than the end
+    assert w.load_cost() == 0
+    w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=12.0, running=0, **RATES))     # after: settled
+    assert w.load_cost() == 0 and not w.gone and not w.counted
+    w.credit("r2", 50, now=13.0)
+    w.finish("r2", now=13.2)                       # ended before any report counted it...
+    assert not w.credits and w.load_cost() == 0
+    w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=13.1, running=1, **RATES))     # ...but this one does
+    assert w.load_cost() == 0
+
+
 def test_kv_pressure_penalty():
     calm, full = worker("a", kv_usage=0.5), worker("b", kv_usage=0.99)
     assert calm.load_cost() == 0
@@ -128,7 +148,10 @@ def test_ties_break_at_random_and_limit_keeps_the_best():
 
 def test_expected_output_follows_finished_requests():
     s = scorer()
-    for _ in range(400):
+    for _ in range(60):
         s.observe_output(1000)
-    # Kept whole (each worker's memoised load stays valid until O moves), so it settles just short.
-    assert 970 <= s.output_tokens <= 1000 and s.output_tokens == int(s.output_tokens)
+    # Rounded to a step of 2^(1/4) (each worker's memoised load stays valid until O moves).
+    assert 900 <= s.output_tokens <= 1100 and (4 * math.log2(s.output_tokens)).is_integer()
+    for _ in range(60):
+        s.observe_output(4)
+    assert s.output_tokens < 6

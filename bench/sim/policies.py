@@ -69,6 +69,9 @@ class RouterPolicy:
 
     def on_finish(self, req) -> None:
         self.scorer.observe_output(len(req.output))
+        w = self.cluster.workers.get(f"sim-{req.worker}")
+        if w is not None:
+            w.finish(req.rid, time.time())
 
     def close(self) -> None:
         self.loop.run_until_complete(self.cluster._redis.aclose())

@@ -1,0 +1,150 @@
+"""Routing at scale: one router process's decision cost with up to 1,000 workers and a million
+cached blocks in its index, no Redis and no simulated GPUs.
+
+    python bench/routing_scale.py [--workers 32,256,1000] [--blocks 1000000] [--decisions 3000]
+
+Per cluster size: a BlockIndex holding --blocks block hashes (shared prefixes that requests
+reuse, each cached on one to three workers, plus unrelated blocks filling the index to its
+bound), and one WorkerState per worker with a lease of random load and speed. A decision is
+what the router's Generate does before it opens the upstream stream: hash the prompt's blocks,
+rank every live worker (RouterService.rank), credit the winner and record its prefix
+speculatively (the index stays at its bound, so every decision also evicts). Leases are renewed
+every 100 decisions, outside the timing, as heartbeats would.
+
+Figures: decision p50/p99 as this thread's CPU time and as wall time; decisions/s = 1 / mean
+CPU time (one core); the index's memory per million blocks (tracemalloc, while filling it).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from protos.block_hash import block_hashes, namespace_root  # noqa: E402
+from protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
+from protos.redis_schema import Lease  # noqa: E402
+from router.index import BlockIndex  # noqa: E402
+from router.scoring import Scorer, WorkerState  # noqa: E402
+from router.server import RouterService  # noqa: E402
+
+MODEL, BLOCK = "scale-model", 16
+
+
+class _Cluster:
+    """The two things RouterService asks of a Cluster, for workers built here."""
+
+    def __init__(self, workers: list[WorkerState]):
+        self.workers = {w.id: w for w in workers}
+        self.on_worker_gone = None
+
+    def models(self) -> list[str]:
+        return [MODEL]
+
+    def live(self, model: str) -> list[WorkerState]:
+        return list(self.workers.values())
+
+
+def lease(i: int, rng: random.Random, ts: float) -> Lease:
+    return Lease(f"worker-{i}", MODEL, f"10.0.{i // 250}.{i % 250}:50051", 1, BLOCK, num_blocks=8192,
+                 running=rng.randint(0, 64), waiting=rng.randint(0, 8),
+                 queued_prefill_tokens=rng.randint(0, 16384), kv_usage=rng.uniform(0.2, 0.95),
+                 free_blocks=4096, ts=ts, prefill_tps=rng.uniform(8000, 20000),
+                 decode_tps=rng.uniform(2000, 6000), step_s=rng.uniform(0.004, 0.008), max_batched_tokens=4096,
+                 name=f"pod-{i}")
+
+
+def fill(index: BlockIndex, num_workers: int, num_blocks: int, rng: random.Random, root: bytes):
+    """Shared prefixes (a tenth of the blocks) that requests will hit, then unrelated blocks."""
+    prefixes = []
+    shared = num_blocks // 10
+    while sum(len(p[1]) for p in prefixes) < shared:
+        tokens = [rng.randrange(1, 32000) for _ in range(rng.randint(32, 128) * BLOCK)]
+        prefixes.append((tokens, block_hashes(tokens, BLOCK, root)))
+    for _, hashes in prefixes:
+        for w in rng.sample(range(num_workers), k=min(num_workers, rng.randint(1, 3))):
+            index.add(f"worker-{w}", hashes)
+    filler = rng.randbytes
+    while len(index) < num_blocks:
+        chunk = [filler(16) for _ in range(min(64, num_blocks - len(index)))]
+        index.add(f"worker-{rng.randrange(num_workers)}", chunk)
+    return prefixes
+
+
+def measure(num_workers: int, num_blocks: int, decisions: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    root = namespace_root(MODEL)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    index = BlockIndex(max_blocks=num_blocks)
+    prefixes = fill(index, num_workers, num_blocks, rng, root)
+    prefix_bytes = sum(sys.getsizeof(t) + 28 * len(t) + sys.getsizeof(h) + 49 * len(h) for t, h in prefixes)
+    index_bytes = tracemalloc.get_traced_memory()[0] - base - prefix_bytes
+    tracemalloc.stop()
+    workers = [WorkerState(lease(i, rng, time.time())) for i in range(num_workers)]
+    cluster = _Cluster(workers)
+    service = RouterService(cluster, Scorer("prefix_aware", index, random.Random(seed)), None)  # type: ignore[arg-type]
+    request = pb.GenerateRequest()
+    prompts = [rng.choice(prefixes)[0] + [rng.randrange(1, 32000) for _ in range(rng.randint(16, 512))]
+               for _ in range(min(decisions, 500))]
+    cpu, wall = [], []
+    for k in range(decisions):
+        if k % 100 == 0:
+            now = time.time()
+            for i, w in enumerate(workers):
+                w.on_heartbeat(lease(i, rng, now))
+        ids = prompts[k % len(prompts)]
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        model, live = service.candidates(MODEL)
+        ranked, hashes = service.rank(model, live, request, ids)
+        best = ranked[0]
+        best.worker.credit(f"r{k}", len(ids) - best.cached_tokens, time.time())
+        index.speculate(best.worker.id, hashes)
+        c1, t1 = time.thread_time_ns(), time.perf_counter_ns()
+        cpu.append((c1 - c0) / 1000)
+        wall.append((t1 - t0) / 1000)
+    cpu.sort()
+    wall.sort()
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+    return {"workers": num_workers, "blocks": len(index), "cpu_p50": pct(cpu, 0.5), "cpu_p99": pct(cpu, 0.99),
+            "wall_p50": pct(wall, 0.5), "wall_p99": pct(wall, 0.99), "per_s": 1e6 / statistics.fmean(cpu),
+            "mib_per_m": index_bytes / 2**20 * 1e6 / num_blocks, "prompt_blocks": statistics.fmean(
+                len(p) // BLOCK for p in prompts)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", default="32,256,1000")
+    p.add_argument("--blocks", type=int, default=1_000_000, help="block hashes in the index")
+    p.add_argument("--decisions", type=int, default=3000)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    sizes = [int(x) for x in a.workers.split(",") if x]
+    if a.blocks < 1000 or a.decisions < 1 or not sizes or min(sizes) < 1:
+        raise SystemExit("blocks >= 1000, decisions >= 1, workers >= 1")
+    print(f"# routing scale: {' '.join(sys.argv)}")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({os.cpu_count()} CPUs), "
+          f"python {platform.python_version()}")
+    print("\n| workers | index blocks | prompt blocks | decision us CPU p50 / p99 | wall p50 / p99 | "
+          "decisions/s | index MiB per million blocks |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for n in sizes:
+        r = measure(n, a.blocks, a.decisions, a.seed)
+        print(f"| {n} | {r['blocks']:,} | {r['prompt_blocks']:.0f} | {r['cpu_p50']:.0f} / {r['cpu_p99']:.0f} | "
+              f"{r['wall_p50']:.0f} / {r['wall_p99']:.0f} | {r['per_s']:,.0f} | {r['mib_per_m']:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
