@@ -119,7 +119,8 @@ class BlockIndex:
         """Leading blocks of `hashes` each worker holds (a chain is only usable from its start);
         workers holding none are left out. `workers` limits the answer to those."""
         owners = self._owners
-        mask, depth, result = -1, 0, {}
+        mask, depth = -1, 0
+        result: dict[str, int] = {}
         for h in hashes:
             m = owners.get(h)
             if not m:

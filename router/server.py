@@ -207,7 +207,8 @@ class RouterService(pb_grpc.GenerationServicer):
         hashes = block_hashes(token_ids, workers[0].lease.block_size, root)
         shut = self.breaker.open_workers()
         allowed = ([w for w in workers if w.id not in shut] or workers) if shut else workers
-        return self.scorer.rank(model, allowed, len(token_ids), hashes, self.max_attempts), hashes
+        return self.scorer.rank(model, allowed, len(token_ids), hashes, self.max_attempts,
+                                request.sampling.max_tokens or None), hashes
 
     async def _model_info(self, model, workers) -> pb.ModelInfoResponse:
         last = None

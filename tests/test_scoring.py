@@ -1,5 +1,4 @@
 """The router's cost model (router/scoring.py): exact figures on hand-built workers, no I/O."""
-import math
 import random
 
 import pytest
@@ -111,13 +110,17 @@ def test_a_request_that_ended_stops_loading_its_worker_before_the_next_report():
     assert w.load_cost() == 0
     w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=11.2, running=1, **RATES))     # older than the end
     assert w.load_cost() == 0
-    w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=12.0, running=0, **RATES))     # after: settled
+    w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=11.6, running=1, **RATES))     # the worker lags a little
+    assert w.load_cost() == 0
+    w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=12.0, running=0, **RATES))     # well after: settled
     assert w.load_cost() == 0 and not w.gone and not w.counted
     w.credit("r2", 50, now=13.0)
     w.finish("r2", now=13.2)                       # ended before any report counted it...
     assert not w.credits and w.load_cost() == 0
     w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=13.1, running=1, **RATES))     # ...but this one does
     assert w.load_cost() == 0
+    w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=14.0, running=1, **RATES))     # another request runs
+    assert w.load_cost() == pytest.approx(one) and not w.gone
 
 
 def test_kv_pressure_penalty():
@@ -146,12 +149,35 @@ def test_ties_break_at_random_and_limit_keeps_the_best():
     assert [c.worker.id for c in s.rank("m", ws, 50, chain(3), limit=3)] == ["w0", "w1", "w2"]
 
 
-def test_expected_output_follows_finished_requests():
+def test_expected_output_follows_finished_requests_and_is_capped_by_max_tokens():
     s = scorer()
     for _ in range(60):
         s.observe_output(1000)
-    # Rounded to a step of 2^(1/4) (each worker's memoised load stays valid until O moves).
-    assert 900 <= s.output_tokens <= 1100 and (4 * math.log2(s.output_tokens)).is_integer()
+    assert 990 <= s.output_tokens <= 1000
+    idx, h = BlockIndex(), chain(8)
+    idx.add("a", h)
+    s.index = idx
+    a, b = worker("a", running=1), worker("b")       # a holds 128 cached tokens but one is decoding
+    # With outputs of ~1000 tokens, sharing a's steps costs more than recomputing 128 tokens...
+    assert s.rank("m", [a, b], 130, h)[0].worker.id == "b"
+    # ...but not for a request that asks for 4 tokens.
+    assert s.rank("m", [a, b], 130, h, max_output=4)[0].worker.id == "a"
     for _ in range(60):
         s.observe_output(4)
     assert s.output_tokens < 6
+
+
+def test_figures_follow_changes_between_decisions():
+    s = scorer()
+    ws = [worker(f"w{i}") for i in range(5)]
+    assert s.rank("m", ws, 100, chain(6, first=77), limit=1)[0].cost == pytest.approx(100 * per_token())
+    ws[0].on_heartbeat(Lease("w0", "m", "h", 1, 16, ts=5.0, queued_prefill_tokens=10_000, **RATES))
+    for w in ws[1:]:
+        w.credit("r", 10_000, now=1.0)
+    (best,) = s.rank("m", ws, 100, chain(6, first=77), limit=1)     # the credits count: w0 is least bad
+    assert best.worker is ws[0] and best.cost == pytest.approx(10_100 * per_token())
+    ws[1].on_heartbeat(Lease("w1", "m", "h", 1, 16, ts=6.0, **RATES))      # w1's report counts its credit...
+    ws[1].finish("r", now=6.5)                                             # ...which then ends
+    ws[1].on_heartbeat(Lease("w1", "m", "h", 1, 16, ts=7.0, **RATES))
+    (best,) = s.rank("m", ws, 100, chain(6, first=77), limit=1)
+    assert best.worker is ws[1] and best.cost == pytest.approx(100 * per_token())
