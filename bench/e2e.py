@@ -69,7 +69,8 @@ class Outcome:
 class Stack:
     """redis-server (given) + 2 workers + 1 router as process groups, killed on exit."""
 
-    def __init__(self, model: str, redis_url: str, policy: str, num_kv_blocks: int, log_dir: str, timeout: float):
+    def __init__(self, model: str, redis_url: str, policy: str, num_kv_blocks: int, log_dir: str, timeout: float,
+                 http_port: int = 0):
         self.procs: list[subprocess.Popen] = []
         self.log_dir, self.timeout, self.redis_url = log_dir, timeout, redis_url
         self.workers = []
@@ -82,7 +83,7 @@ class Stack:
                                        "--advertise-address", f"127.0.0.1:{port}", "--log-level", "WARNING"])
             self.workers.append(f"127.0.0.1:{port}")
         self.router = f"127.0.0.1:{free_port()}"
-        self.policy = policy
+        self.policy, self.http_port = policy, http_port
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
@@ -102,7 +103,8 @@ class Stack:
             time.sleep(0.1)
         port = self.router.rsplit(":", 1)[1]
         proc = self._spawn("router", [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", port,
-                                      "--metrics-port", "0", "--http-port", "0", "--redis-url", self.redis_url,
+                                      "--metrics-port", "0", "--http-port", str(self.http_port),
+                                      "--redis-url", self.redis_url,
                                       "--policy", self.policy, "--log-level", "WARNING"])
         wait_serving(self.router, proc, "router", self.timeout)
 
