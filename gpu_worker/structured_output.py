@@ -95,7 +95,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 256):
         self._tokenizer_json, self.vocab_size, self.eos = tokenizer_json, vocab_size, list(eos_token_ids)
-        self._tokenizer = None
+        self._tokenizer: llg.LLTokenizer | None = None
         self._cache: OrderedDict[GuidedSpec, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -110,9 +110,9 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 self._tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
                                                   eos_token=self.eos)
-        grammar = _grammar_text(spec)
-        error = llg.LLMatcher.validate_grammar(grammar, self._tokenizer)
-        template = None if error else llg.LLMatcher(self._tokenizer, grammar, log_level=0)
+        grammar, tokenizer = _grammar_text(spec), self._tokenizer
+        error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
+        template = None if error else llg.LLMatcher(tokenizer, grammar, log_level=0)
         if template is not None and template.is_error():
             error = template.get_error()
         if error:
@@ -154,25 +154,22 @@ def apply_grammar_masks(logits: torch.Tensor, states: Sequence[GrammarState | No
                         outputs: Sequence[Sequence[int]]) -> None:
     """In place: -inf on every token row i's grammar forbids next; rows whose state is None are
     left alone. outputs[i] is row i's accepted output tokens so far."""
-    rows = [i for i, s in enumerate(states) if s is not None]
-    if not rows:
+    constrained = [(i, s) for i, s in enumerate(states) if s is not None]
+    if not constrained:
         return
     global _executor
     if _executor is None:
         _executor = llg.LLExecutor()
     vocab = logits.shape[1]
-    packed = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.int32)
-    matchers = []
-    for k, i in enumerate(rows):
-        state = states[i]
+    packed = np.zeros((len(constrained), (vocab + 31) // 32), dtype=np.int32)
+    for i, state in constrained:
         state.sync(outputs[i])
-        matchers.append((state.matcher, k))
-    llg_np.fill_next_token_bitmask_par(_executor, matchers, packed)
+    llg_np.fill_next_token_bitmask_par(_executor, [(s.matcher, k) for k, (_, s) in enumerate(constrained)], packed)
     allowed = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
-    for k, i in enumerate(rows):
-        if states[i].matcher.is_error():        # out of the grammar: all it may do is end
+    for k, (_, state) in enumerate(constrained):
+        if state.matcher.is_error():            # out of the grammar: all it may do is end
             allowed[k] = False
-            allowed[k, states[i].eos] = True
-    index = torch.tensor(rows, device=logits.device)
+            allowed[k, state.eos] = True
+    index = torch.tensor([i for i, _ in constrained], device=logits.device)
     keep = torch.from_numpy(allowed).to(logits.device)
     logits[index] = logits[index].masked_fill(~keep, float("-inf"))

@@ -135,7 +135,7 @@ def _structured(body: dict, sp: pb.SamplingParams) -> None:
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
                                                                                    "json_schema")):
         raise _bad("response_format", "must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
-    given = [k for k in _STRUCTURED if k in body and not (k == "response_format" and fmt["type"] == "text")]
+    given = [k for k in _STRUCTURED if k in body and not (k == "response_format" and fmt and fmt["type"] == "text")]
     if len(given) > 1:
         raise _bad(given[1], f"give only one of {', '.join(given)}")
     if not given:

@@ -13,6 +13,7 @@ import logging
 import signal
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,6 +28,9 @@ from router.cluster import Cluster
 from router.index import BlockIndex
 from router.metrics import RouterMetrics
 from router.scoring import Scorer, WorkerState
+
+if TYPE_CHECKING:                   # openai_api imports this module; the router imports it only when serving HTTP
+    from router.openai_api import OpenAIFront
 
 log = logging.getLogger(__name__)
 # Codes that say the request itself is wrong: another worker would answer the same.
@@ -263,7 +267,7 @@ class Router:
         self.metrics = RouterMetrics(self.cluster, self.index)
         self.service = RouterService(self.cluster, Scorer(policy, self.index), self.metrics, max_attempts)
         self.host, self.port, self.metrics_port, self.http_port = host, port, metrics_port, http_port
-        self.http = None
+        self.http: OpenAIFront | None = None
         self.server = grpc.aio.server()
         self.health = health.aio.HealthServicer()
 
