@@ -233,8 +233,11 @@ def test_queue_full_is_429_and_no_worker_is_503(redis_server, start_fake_worker,
     body = {"model": "m", "prompt": "a b c", "max_tokens": 2}
     status, err = _post(base, "/completions", body)
     assert status == 503 and err["error"]["type"] == "service_unavailable_error", err
+    with pytest.raises(urllib.error.HTTPError, match="503"):
+        urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10)
     start_fake_worker(redis_server.url, "full", fail_first=1000, fail_code="RESOURCE_EXHAUSTED")
     wait_for(lambda: _get(base + "/models")["data"], 10, "the router to see the worker")
+    assert _get(f"http://127.0.0.1:{http_port}/health") == {"models": ["m"]}
     status, err = _post(base, "/completions", body)
     assert status == 429 and err["error"]["type"] == "rate_limit_error", err
     status, err = _post(base, "/chat/completions", {"model": "m", "messages": "hi"})
