@@ -16,11 +16,10 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from gpu_worker.server import serve
     try:
-        asyncio.run(serve(args))
+        return asyncio.run(serve(args))
     except ValueError as e:     # a bad flag value found by the engine config: say which, no traceback
         logging.getLogger("gpu_worker").error("%s", e)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

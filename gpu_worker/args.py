@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--kv-cache-memory", default=None, help="bytes for the pool, e.g. 2GiB")
     pool.add_argument("--num-kv-blocks", type=int, default=None)
     pool.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many ranks (one GPU each; gloo processes on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -62,4 +64,5 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
-                max_waiting=args.max_waiting, enforce_eager=args.enforce_eager)
+                max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
+                tensor_parallel_size=args.tensor_parallel_size)

@@ -87,6 +87,10 @@ class AsyncLLM:
         self._events: list[tuple[str, bytes]] = []
         self._cached: dict[bytes, None] = {}     # insertion-ordered set of cached hashes
         self._closed = False
+        self.fatal: BaseException | None = None   # set when the engine can never step again
+        tp = getattr(self.engine.runner, "tp", None)
+        if tp is not None:
+            tp.on_failure(self._die)
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
 
@@ -154,12 +158,21 @@ class AsyncLLM:
         with self._out_lock:
             return list(self._cached)
 
+    def _die(self, error: BaseException) -> None:
+        """A tensor-parallel rank died (any thread): refuse new requests and end every stream with
+        the error now, even while the engine thread is stuck in a collective."""
+        self.fatal = error
+        self._closed = True
+        for stream in list(self._streams.values()):
+            stream.put(error)
+
     async def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._commands.put(StopCommand())
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.engine.runner.close()     # the other tensor-parallel ranks, if any
 
     # ---- engine thread ------------------------------------------------------------------
 

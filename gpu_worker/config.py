@@ -40,6 +40,7 @@ class EngineConfig:
     attention_backend: str = "auto"             # auto | torch | triton
     max_waiting: int = 1024                     # queue bound; beyond it requests are refused
     enforce_eager: bool = False                 # no CUDA graphs for decode (CUDA only)
+    tensor_parallel_size: int = 1               # ranks (GPUs) one model is split over
 
     def __post_init__(self):
         if self.served_model_name is None:
@@ -54,6 +55,9 @@ class EngineConfig:
             raise ValueError(f"attention_backend: must be auto, torch or triton (got {self.attention_backend!r})")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be at least 1 (got {self.max_num_seqs})")
+        if (not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool)
+                or self.tensor_parallel_size < 1):
+            raise ValueError(f"tensor_parallel_size: must be a positive integer (got {self.tensor_parallel_size!r})")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         env = os.environ.get("PAGODA_ATTENTION")

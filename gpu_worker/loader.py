@@ -50,21 +50,32 @@ def checkpoint_files(path: str) -> list[str]:
     return files
 
 
-def iter_weights(path: str):
-    """(hf_name, cpu tensor) for every tensor in the checkpoint, one at a time."""
+def iter_weights(path: str, shard_of=None):
+    """(hf_name, cpu tensor) for every tensor in the checkpoint, one at a time. shard_of(name) ->
+    (dim, start, length) or None: read only that slice (a tensor-parallel rank's shard)."""
     from safetensors import safe_open
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                spec = shard_of(name) if shard_of is not None else None
+                if spec is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                dim, start, length = spec
+                index = (slice(None),) * dim + (slice(start, start + length),)
+                yield name, f.get_slice(name)[index]
 
 
-def load_model(path: str, hf_config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def load_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, shard=None) -> torch.nn.Module:
+    """Build the model on the meta device and load its weights (only `shard`'s slices, if given)."""
+    from gpu_worker.models.parallel import Shard, shard_slice, sharding
+    shard = shard or Shard()
     cls = model_class(hf_config)
-    with torch.device("meta"):
+    with torch.device("meta"), sharding(shard):
         model = cls(hf_config)
     model = model.to(dtype).to_empty(device=device)
-    load_weights(model, iter_weights(path))
+    names = None if shard.size == 1 else (lambda name: shard_slice(hf_config, name, shard))
+    load_weights(model, iter_weights(path, names))
     return model.eval()
 
 

@@ -10,15 +10,18 @@ import logging
 import math
 import os
 import time
+import weakref
 
 import torch
 
+from gpu_worker import distributed
 from gpu_worker.attention import AttentionMetadata, resolve_backend, select_backend
 from gpu_worker.config import EngineConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
 from gpu_worker.loader import load_hf_config, load_model, resolve_dtype
 from gpu_worker.memory import cuda_graph_bytes, kv_budget_bytes, sampler_workspace_bytes
 from gpu_worker.models.llama import use_triton_ops
+from gpu_worker.models.parallel import Shard, check_tensor_parallel
 from gpu_worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu_worker.sampler import Sampler, SamplingRow
 from gpu_worker.sampling_params import SamplingParams
@@ -28,13 +31,23 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, rank: int = 0, hf_config=None):
+        """rank > 0: a tensor-parallel rank's runner (gpu_worker.distributed.rank_main); it only
+        runs the model, on the commands rank 0 sends, with rank 0's hf_config."""
         self.config = config
-        self.device = torch.device(config.resolved_device())
+        self.shard = Shard(rank, config.tensor_parallel_size)
+        self.device = distributed.local_device(config.resolved_device(), rank, self.shard.size)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.hf_config = load_hf_config(config.model)
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.hf_config = hf_config or load_hf_config(config.model)
+        check_tensor_parallel(self.hf_config, self.shard.size, self.device.type)
+        self.tp: distributed.TensorParallel | None = None
+        if rank == 0 and self.shard.size > 1:
+            # Started first: the other ranks start while this one reads the tokenizer.
+            self.tp = distributed.TensorParallel(config, self.hf_config)
+            weakref.finalize(self, self.tp.close)
+        if rank == 0:    # other ranks never tokenize (nor import transformers' tokenizers)
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.vocab_size = int(self.hf_config.vocab_size)
         limit = int(self.hf_config.max_position_embeddings)
         window = self._sliding_window()
@@ -46,9 +59,11 @@ class ModelRunner:
             raise ValueError(f"max_model_len: must be in [1, {limit}] for this checkpoint "
                              f"(max_position_embeddings or sliding_window), got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = self._eos_token_ids() if rank == 0 else []
         self.block_size = config.block_size
-        self.model = load_model(config.model, self.hf_config, self.device, self.dtype)
+        if self.tp is not None:
+            self.tp.join_group()
+        self.model = load_model(config.model, self.hf_config, self.device, self.dtype, self.shard)
         self.write_fn, self.attend_fn = select_backend(config.attention_backend, self.device)
         self.backend = resolve_backend(config.attention_backend, self.device)
         use_triton_ops(self.model, self.backend == "triton")
@@ -91,7 +106,21 @@ class ModelRunner:
         elem = torch.empty(0, dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without them)."""
+        if self.tp is not None:
+            self.tp.close()
+
     def num_blocks_for(self) -> int:
+        if self.tp is not None:
+            self.tp.send("agreed_num_blocks")
+        return self.agreed_num_blocks()
+
+    def agreed_num_blocks(self) -> int:
+        """This rank's pool size, lowered to what the tightest rank can hold (same block ids everywhere)."""
+        return distributed.min_over_ranks(self._local_num_blocks(), self.shard.size)
+
+    def _local_num_blocks(self) -> int:
         c = self.config
         if c.num_kv_blocks is not None:
             return int(c.num_kv_blocks)
@@ -125,7 +154,7 @@ class ModelRunner:
             nblocks = math.ceil(n / self.block_size)
             reqs.append((list(range(first, first + nblocks)), n))
             first += nblocks
-        self.allocate_kv_cache(first)
+        self._bind_kv_cache(first)
         temp_kv = first * self.bytes_per_block()
         ids, pos, meta = self._dummy_batch(reqs)
         with torch.inference_mode():
@@ -188,7 +217,9 @@ class ModelRunner:
                      (torch.cuda.memory_reserved(self.device) - before) / 2**30)
 
     def uses_graphs(self) -> bool:
-        return self.device.type == "cuda" and self.backend == "triton" and not self.config.enforce_eager
+        # Not with tensor parallelism (yet): every rank would have to capture its collectives too.
+        return (self.device.type == "cuda" and self.backend == "triton" and not self.config.enforce_eager
+                and self.shard.size == 1)
 
     def warmup_batch(self, step: WarmupStep) -> list[ScheduledRequest]:
         """A dummy step of this shape over the pool's first blocks (shared by every sequence;
@@ -201,6 +232,11 @@ class ModelRunner:
                                  prompt_token_ids=[], output_token_ids=[]) for i in range(step.num_seqs)]
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        if self.tp is not None:
+            self.tp.send("allocate_kv_cache", num_blocks)
+        self._bind_kv_cache(num_blocks)
+
+    def _bind_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = []
         for layer in self.model.attention_layers():
@@ -245,6 +281,21 @@ class ModelRunner:
     def forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """Run the model over a step (writing its KV); fp32 logits [num sampling requests, V]."""
         ids, pos, meta, sample_rows = self.prepare(scheduled)
+        if self.tp is None:
+            return self.run_model(ids, pos, meta, sample_rows)
+        # Every rank runs the same step on its shard: one broadcast of the step's inputs.
+        self.tp.send("run_model", ids, pos, meta, sample_rows)
+        try:
+            return self.run_model(ids, pos, meta, sample_rows)
+        except distributed.RankFailure:
+            raise
+        except RuntimeError as e:    # a collective failed: the group is unusable from here on
+            raise self.tp.fail(f"step failed: {e}") from e
+
+    @torch.inference_mode()
+    def run_model(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                  sample_rows: list[int]) -> torch.Tensor:
+        """The model on this rank's shard; on rank 0, fp32 logits of the sampling rows."""
         hidden = self.graphs.run(ids, pos, meta) if self.graphs is not None else None
         if hidden is None:  # prefill, mixed, or no graphs
             hidden = self.model(ids, pos, meta)

@@ -83,6 +83,7 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
 
     async def _stream(self, rid, field, ids, params, request, context):
         from gpu_worker.async_llm import QueueFullError
+        from gpu_worker.distributed import RankFailure
         t0 = time.monotonic()
         last: dict[int, float] = {}                # per sequence: when its last token went out
         stream = self.engine.generate(rid, ids, params, priority=request.priority,
@@ -101,6 +102,8 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
             if msg.startswith("prompt_token_ids:"):
                 msg = field + msg[len("prompt_token_ids"):]
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
+        except RankFailure as e:       # the worker is going down; the caller should retry elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except QueueFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e) or "waiting queue is full")
         except RuntimeError as e:
@@ -298,20 +301,41 @@ class Worker:
             self.metrics.stop()
         self.stopped.set()
 
+    async def fail(self) -> None:
+        """The engine died: NOT_SERVING, lease withdrawn, open streams end (they hold the error), stop."""
+        assert self.service is not None and self.server is not None, "start() first"
+        await self.service.start_drain()
+        await self.service.wait_idle(2.0)
+        await self.server.stop(0.5)
+        if self.metrics is not None:
+            self.metrics.stop()
+        self.stopped.set()
+
 
 def _with_port(args, port: int):
     import argparse
     return argparse.Namespace(**{**vars(args), "port": port})
 
 
-async def serve(args) -> None:
-    """Run until SIGTERM/SIGINT, then drain gracefully."""
+async def serve(args) -> int:
+    """Run until SIGTERM/SIGINT, then drain gracefully (exit code 0), or until the engine dies
+    (a tensor-parallel rank gone: exit code 1)."""
     worker = Worker(args)
     await worker.start()
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    await stopping.wait()
+    while not stopping.is_set():
+        fatal = getattr(worker.engine, "fatal", None)
+        if fatal is not None:
+            log.error("engine failed, stopping: %s", fatal)
+            await worker.fail()
+            return 1
+        try:
+            await asyncio.wait_for(stopping.wait(), 0.2)
+        except asyncio.TimeoutError:
+            pass
     log.info("signal received: draining for up to %.1fs", args.drain_grace_seconds)
     await worker.shutdown(args.drain_grace_seconds)
+    return 0

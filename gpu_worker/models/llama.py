@@ -18,6 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention import AttentionMetadata, PagedAttention
+from gpu_worker.models.parallel import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    current_shard,
+    head_dim_of,
+    local_heads,
+    parallel_logits,
+)
 from kernels.reference import add_rms_norm_ref, rotary_ref
 
 
@@ -112,14 +120,15 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = local_heads(cfg, current_shard())
+        self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bool(getattr(cfg, "attention_bias", False)))
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
+                                        bias=bool(getattr(cfg, "attention_bias", False)))
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -144,10 +153,10 @@ class MLP(nn.Module):
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act: only silu is supported (got {cfg.hidden_act!r})")
-        self.intermediate = cfg.intermediate_size
+        self.intermediate = cfg.intermediate_size // current_shard().size     # this rank's slice
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -174,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
 
     # Fused parameter -> the HF parameters stacked into it, in order (dim 0).
     stacked_params = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    # Its layers shard over tensor-parallel ranks (gpu_worker.models.parallel).
+    tensor_parallel = True
 
     def __init__(self, cfg):
         super().__init__()
@@ -181,12 +192,13 @@ class LlamaForCausalLM(nn.Module):
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.shard = current_shard()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // self.shard.size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -197,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return parallel_logits(hidden, weight, self.shard)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]

@@ -1,0 +1,161 @@
+"""Megatron-style sharding of the Llama-family layers over tensor-parallel ranks.
+
+Column-parallel: q/k/v and gate/up keep only this rank's output rows (its attention heads, its
+slice of the intermediate size), so attention and the activation need no communication.
+Row-parallel: o_proj and down_proj keep the matching input columns and sum their partial outputs
+with one all-reduce each. The vocabulary is split in contiguous ranges: the embedding looks up
+the ids in its range and all-reduces (other rows are zero), the LM head computes its range of
+logits and rank 0 gathers them. KV heads split like the query heads when they divide by the
+rank count; when there are fewer KV heads than ranks each rank holds the one KV head its query
+heads read (replicated).
+
+Layers learn their rank and size when built, inside `sharding(rank, size)`, and keep them: no
+global is read in a forward, so unsharded models can live beside a group in one process. At one
+rank every layer computes exactly what an unsharded nn.Linear / nn.Embedding would.
+The loader asks `shard_slice` which slice of each checkpoint tensor this rank reads.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int = 0
+    size: int = 1
+
+
+_building = Shard()
+
+
+@contextlib.contextmanager
+def sharding(shard: Shard):
+    """Layers built inside take this rank and size."""
+    global _building
+    previous, _building = _building, shard
+    try:
+        yield
+    finally:
+        _building = previous
+
+
+def current_shard() -> Shard:
+    return _building
+
+
+def _kv_heads(cfg) -> int:
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def local_heads(cfg, shard: Shard) -> tuple[int, int]:
+    """(query heads, KV heads) held by one rank."""
+    return cfg.num_attention_heads // shard.size, max(_kv_heads(cfg) // shard.size, 1)
+
+
+def check_tensor_parallel(cfg, size: int, device: str) -> None:
+    """Refuse, at start, a size the model's shapes or the machine cannot take."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size: must be a positive integer (got {size!r})")
+    if size == 1:
+        return
+    from gpu_worker.models import model_class
+    if not getattr(model_class(cfg), "tensor_parallel", False):
+        raise ValueError(f"tensor_parallel_size: {size} needs a model that shards (native Llama family); "
+                         f"{model_class(cfg).__name__} does not")
+    heads, kv = cfg.num_attention_heads, _kv_heads(cfg)
+    shapes = [("attention heads (num_attention_heads)", heads),
+              ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)]
+    for what, n in shapes:
+        if n % size:
+            raise ValueError(f"tensor_parallel_size: {size} does not divide the model's {n} {what}")
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size: {size} and the model's {kv} KV heads must divide one another")
+    if device == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size: {size} ranks need {size} GPUs; "
+                         f"{torch.cuda.device_count()} are visible")
+
+
+def shard_slice(cfg, name: str, shard: Shard) -> tuple[int, int, int] | None:
+    """(dim, start, length) of checkpoint tensor `name` that `shard` loads, or None for all of it."""
+    if shard.size == 1:
+        return None
+    r, n = shard.rank, shard.size
+    parts = name.split(".")
+    module, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+    d = head_dim_of(cfg)
+    if module in ("embed_tokens", "lm_head"):
+        per = cfg.vocab_size // n
+        return 0, r * per, per
+    if module == "q_proj":
+        per = cfg.num_attention_heads // n * d
+        return 0, r * per, per
+    if module in ("k_proj", "v_proj"):
+        kv = _kv_heads(cfg)
+        if kv % n == 0:
+            return 0, r * (kv // n) * d, (kv // n) * d
+        return 0, (r * kv // n) * d, d       # fewer KV heads than ranks: the one this rank's queries read
+    if module in ("gate_proj", "up_proj"):
+        per = cfg.intermediate_size // n
+        return 0, r * per, per
+    if module == "o_proj" and leaf == "weight":
+        per = cfg.num_attention_heads // n * d
+        return 1, r * per, per
+    if module == "down_proj" and leaf == "weight":
+        per = cfg.intermediate_size // n
+        return 1, r * per, per
+    return None     # norms, row-parallel biases: every rank holds them whole
+
+
+class RowParallelLinear(nn.Module):
+    """y = x_local @ W_local^T summed over ranks, then the (replicated) bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.shard = current_shard()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.shard.size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        from gpu_worker.distributed import all_reduce
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds vocab_size / N contiguous rows; ids outside them contribute zeros."""
+
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__()
+        self.shard = current_shard()
+        self.per_rank = vocab_size // self.shard.size
+        self.start = self.shard.rank * self.per_rank
+        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return F.embedding(ids, self.weight)
+        from gpu_worker.distributed import all_reduce
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """fp32 logits over the whole vocabulary on rank 0 (each rank computes its vocab range)."""
+    logits = F.linear(hidden, weight)
+    if shard.size > 1:
+        from gpu_worker.distributed import gather_last_dim
+        logits = gather_last_dim(logits, shard.rank, shard.size)
+    return logits.float()
