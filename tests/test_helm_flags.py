@@ -93,7 +93,7 @@ def test_values_map_one_to_one_onto_flags():
                    "max_num_batched_tokens": w["maxNumBatchedTokens"], "max_model_len": w["maxModelLen"],
                    "max_waiting": w["maxWaiting"], "heartbeat_interval": w["heartbeatInterval"],
                    "snapshot_interval": w["snapshotInterval"], "scheduling_policy": "priority",
-                   "dtype": "bfloat16", "block_size": 32, "no_prefix_caching": True, "port": 50051,
+                   "dtype": "bfloat16", "block_size": 32, "no_prefix_caching": True, "enforce_eager": True, "port": 50051,
                    "redis_url": "redis://rel-pagoda-redis:6379/0", "gpu_memory_utilization": 0.9,
                    "max_num_seqs": 256, "drain_grace_seconds": 30, "log_level": "INFO"},
     }
@@ -116,6 +116,7 @@ def test_values_map_one_to_one_onto_flags():
             assert ns.served_model_name == spec.get("servedModelName", group)
             assert ns.advertise_address == f"{POD['POD_IP']}:50051" and ns.worker_id == POD["POD_NAME"]
             assert ns.device == spec.get("device", w["device"])
+            assert ns.tensor_parallel_size == max(spec.get("gpus", 1), 1)
         covered[cmd] = True
     assert all(covered.values())
 
@@ -131,3 +132,19 @@ def test_unset_values_leave_the_cli_defaults():
              "heartbeat_interval", "snapshot_interval"]
         for dest in unset:
             assert getattr(ns, dest) == getattr(defaults, dest), dest
+
+
+def test_several_gpus_shard_the_model_with_a_memory_backed_shm():
+    """gpus: 2 -> --tensor-parallel-size 2 and /dev/shm an in-memory emptyDir (NCCL); gpus 0 or 1 -> neither."""
+    seen = {}
+    for docs, d, c in pagoda_containers(EVERYTHING):
+        if c["command"][1] != "worker":
+            continue
+        group = d["metadata"]["labels"]["pagoda.io/worker-group"]
+        _, ns = parse("worker", resolved_args(docs, c))
+        pod = d["spec"]["template"]["spec"]
+        shm = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        mounts = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        seen[group] = (ns.tensor_parallel_size, shm, mounts)
+    assert seen["b"] == (2, [{"name": "dshm", "emptyDir": {"medium": "Memory"}}], [{"name": "dshm", "mountPath": "/dev/shm"}])
+    assert seen["a"] == (1, [], []) and seen["c"] == (1, [], [])
