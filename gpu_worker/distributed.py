@@ -1,17 +1,17 @@
 """Tensor parallelism plumbing: the process group, the rank processes, one broadcast per step.
 
 Rank 0 is the process the user starts: it keeps the scheduler, KV manager, server and publisher,
-spawns ranks 1..N-1 (which run only the model) and drives them with one pickled command per
+starts ranks 1..N-1 (which run only the model) and drives them with one pickled command per
 call over a CPU (gloo) group: ("run_model", step tensors), ("allocate_kv_cache", n), ... Each rank
 runs the same ModelRunner method on its own shard; the model's collectives (all-reduce, logits
 gather) go over the default group, NCCL on CUDA and gloo on CPU, with a timeout so that no
 collective waits forever. Commands travel on their own gloo group with no practical timeout,
 because ranks idle there as long as the server has no work.
 
-Failure: a watchdog thread on rank 0 waits on the ranks' process sentinels; a rank that exits
-marks the group failed (RankFailure), runs the failure callbacks (AsyncLLM ends its streams) and
-terminates the others so that a collective in progress errors out instead of hanging. Each rank
-watches its parent and exits when rank 0 is gone.
+Failure: a watchdog thread per rank on rank 0 waits for that rank's process to end; a rank that
+exits marks the group failed (RankFailure), runs the failure callbacks (AsyncLLM ends its streams)
+and kills the others, so that a collective in progress errors out instead of hanging. Each rank
+holds the read end of a pipe only rank 0 writes to, and exits when it reads EOF (rank 0 gone).
 """
 from __future__ import annotations
 

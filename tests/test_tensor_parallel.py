@@ -84,6 +84,19 @@ def test_greedy_parity_with_tp1_and_transformers(references, family, tp):
     assert stats.free_blocks == stats.num_blocks
 
 
+def test_pool_size_is_the_smallest_any_rank_can_hold(tiny_model):
+    """Every rank sizes its own pool; all take the minimum (same block ids everywhere)."""
+    llm = LLM(tiny_model, device="cpu", num_kv_blocks=40, tensor_parallel_size=2)
+    runner = llm.engine.runner
+    try:
+        assert llm.engine.num_blocks == 40
+        for mine, agreed in ((1000, 40), (5, 5)):     # rank 1 holds 40 either way
+            runner._local_num_blocks = lambda n=mine: n
+            assert runner.num_blocks_for() == agreed
+    finally:
+        runner.close()
+
+
 def test_each_rank_loads_only_its_shard(tiny_model_factory):
     """Sharded shapes per rank, and the shards laid side by side are the checkpoint."""
     import torch
