@@ -13,6 +13,8 @@ import sys
 import pytest
 import tomllib
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests.plugins.helm import CHART
 
@@ -55,12 +57,18 @@ def test_image_user_and_entrypoint_match_the_chart(image):
     assert json.loads(instructions(text, "ENTRYPOINT")[-1]) == ["pagoda", image]
 
 
+def requirement_names(reqs: list[str]) -> set[str]:
+    return {canonicalize_name(Requirement(r).name) for r in reqs}
+
+
 def test_router_image_installs_the_base_package_without_torch():
     runs = " ".join(instructions(dockerfile("router"), "RUN"))
-    assert re.search(r"pip install --no-cache-dir \.( |$)", runs) and "[worker]" not in runs
+    # The locked base dependencies (pyproject's `dependencies`, no extra), then the package alone.
+    assert '["project"]["dependencies"]' in runs and "optional-dependencies" not in runs
+    assert "pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt" in runs
+    assert "pip install --no-cache-dir --no-deps . " in runs and "[worker]" not in runs
     base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    names = {re.split(r"[<>=!~\[ ;]", dep, maxsplit=1)[0].lower() for dep in base}
-    assert not names & {"torch", "triton", "transformers", "safetensors", "numpy"}
+    assert not requirement_names(base) & {"torch", "triton", "transformers", "safetensors", "numpy"}
 
 
 def test_router_image_modules_import_without_worker_packages():
@@ -85,11 +93,75 @@ for top in {packages!r}:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_worker_image_is_cuda_torch_plus_the_worker_extra():
+def constraints() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not name==version"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_constraints_lock_every_dependency_within_its_range():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = constraints()
+    for req in project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]:
+        r = Requirement(req)
+        name = canonicalize_name(r.name)
+        assert name in pins, f"{r.name} (pyproject.toml) has no pin in constraints.txt: add {r.name}==VERSION"
+        assert r.specifier.contains(pins[name], prereleases=True), \
+            f"constraints.txt pins {r.name}=={pins[name]}, outside pyproject.toml's {req!r}"
+    # No local label: the CPU (+cpu) and CUDA (+cuXYZ) builds of the locked torch both satisfy it.
+    assert "+" not in pins["torch"]
+
+
+def test_ci_and_both_images_install_with_the_constraints():
+    for image in ("router", "worker"):
+        runs = " ".join(instructions(dockerfile(image), "RUN"))
+        assert "constraints.txt" in instructions(dockerfile(image), "COPY")[0].split()
+        assert runs.count("-c constraints.txt") >= 1
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert all("-c constraints.txt" in line for line in ci.splitlines() if "pip install" in line)
+
+
+def test_worker_image_is_cuda_torch_by_default_and_cpu_by_argument():
     text = dockerfile("worker")
     base = re.search(r"ARG BASE_IMAGE=(\S+)", text).group(1)
-    assert base.startswith("pytorch/pytorch:") and "cuda" in base
+    assert re.search(r"ARG DEVICE=cuda\b", text)
+    # The default base carries exactly the locked torch, as a CUDA build.
+    assert base.startswith(f"pytorch/pytorch:{constraints()['torch']}-cuda")
     runs = " ".join(instructions(text, "RUN"))
-    assert 'pip install --no-cache-dir ".[worker]"' in runs
-    # The base image's CUDA torch stays: pip is told to keep exactly that version.
-    assert '"torch==${TORCH}"' in runs and "torch.version.cuda" in runs
+    assert 'pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt "torch==${TORCH}"' in runs
+    assert 'p["optional-dependencies"]["worker"]' in runs
+    # cuda keeps the base's torch and asserts it is a CUDA build; cpu installs the locked torch first.
+    assert "sys.argv[1] == 'cpu' or torch.version.cuda" in runs and '"$DEVICE"' in runs
+    assert 'if [ "$DEVICE" = cpu ]; then pip install --no-cache-dir -c constraints.txt' in runs
+
+
+def test_build_commands_in_the_docs_are_the_ones_the_container_test_runs():
+    from tests.test_containers import BUILD_ARGS, ROUTER_IMAGE, WORKER_CPU_IMAGE
+    worker_cuda = WORKER_CPU_IMAGE.removesuffix("-cpu")
+    cpu_args = " ".join(f"--build-arg {k}={v}" for k, v in BUILD_ARGS["worker"].items())
+    for doc in (ROOT / "README.md", CHART / "README.md", IMAGES / "worker.Dockerfile", IMAGES / "router.Dockerfile"):
+        text = re.sub(r"\\\n\s*#?\s*", "", doc.read_text())     # join continued command lines
+        commands = [line.split("docker build", 1)[1] for line in text.splitlines() if "docker build " in line]
+        assert commands, doc
+        for cmd in commands:
+            if "router.Dockerfile" in cmd:
+                assert f"-t {ROUTER_IMAGE} ." in cmd, (doc, cmd)
+            elif cpu_args in cmd:
+                assert f"-t {WORKER_CPU_IMAGE} ." in cmd, (doc, cmd)
+            else:
+                assert "worker.Dockerfile" in cmd and f"-t {worker_cuda} ." in cmd, (doc, cmd)
+
+
+def test_compose_runs_the_images_the_container_test_builds():
+    from tests.test_containers import ROUTER_IMAGE, WORKER_CPU_IMAGE
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    assert services["router"]["image"].endswith(f":-{ROUTER_IMAGE}}}")
+    workers = [s for name, s in services.items() if name.startswith("worker-")]
+    assert len(workers) == 2 and all(w["image"].endswith(f":-{WORKER_CPU_IMAGE}}}") for w in workers)
+    for s in [services["router"], *workers]:
+        assert s["user"] == "10001:10001" and s["read_only"] is True and s["healthcheck"]["test"]

@@ -15,13 +15,20 @@ RUN groupadd --gid 10001 pagoda \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pagoda
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# The dependencies, at the versions constraints.txt locks, in a layer of their own: a change to the
+# sources rebuilds only the small layer below. The base list carries no torch; the check keeps it so.
+COPY pyproject.toml constraints.txt ./
+RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+        > /tmp/requirements.txt \
+ && pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt \
+ && rm /tmp/requirements.txt \
+ && python -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch in the router image'"
+
+COPY README.md ./
 COPY protos ./protos
 COPY router ./router
 COPY clients ./clients
-# `pip install .` is the base install: its dependencies carry no torch. The check keeps it so.
-RUN pip install --no-cache-dir . \
- && python -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch in the router image'" \
+RUN pip install --no-cache-dir --no-deps . \
  && python -c "import router.server, clients.cli" \
  && cd / && rm -rf /src
 

@@ -1,35 +1,60 @@
 # syntax=docker/dockerfile:1
-# The pagoda worker image: `.[worker]` on a CUDA PyTorch base.
-# Build from the repository root:
-#   docker build -f helm/images/worker.Dockerfile -t ghcr.io/pagoda-llm/pagoda-worker:0.1.0 .
+# The pagoda worker image: `.[worker]` at the versions constraints.txt locks, on a base chosen by
+# build argument. Build from the repository root:
+#   GPU (the chart's default): a CUDA PyTorch base that already holds the locked torch
+#     docker build -f helm/images/worker.Dockerfile -t ghcr.io/pagoda-llm/pagoda-worker:0.1.0 .
+#   CPU (development, compose.yaml, the container tests): a plain Python base, CPU torch installed here
+#     docker build -f helm/images/worker.Dockerfile --build-arg DEVICE=cpu \
+#       --build-arg BASE_IMAGE=python:3.11-slim-bookworm -t ghcr.io/pagoda-llm/pagoda-worker:0.1.0-cpu .
 # To bake a model in (values: model.source=image), build FROM this image and COPY the checkpoint
 # directory, e.g. to /opt/models/<name>, readable by uid 10001.
-ARG BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
+ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
 FROM ${BASE_IMAGE}
+# cuda: the base's torch must be a CUDA build (asserted). cpu: the CPU build of torch comes from
+# TORCH_INDEX_URL (empty: from whatever indexes pip is configured with, e.g. an offline mirror).
+ARG DEVICE=cuda
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/tmp
 
-# Triton compiles a small C launcher the first time a kernel runs, so the runtime needs a C compiler.
-RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc libc6-dev \
- && rm -rf /var/lib/apt/lists/* \
+# Triton compiles a small C launcher the first time a kernel runs on a GPU, so a CUDA runtime needs
+# a C compiler; CPU workers run no Triton kernels.
+RUN case "$DEVICE" in cuda|cpu) ;; *) echo "DEVICE must be cuda or cpu, not '$DEVICE'" >&2; exit 1 ;; esac \
+ && if [ "$DEVICE" = cuda ]; then \
+        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
  && groupadd --gid 10001 pagoda \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pagoda
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# The dependencies in a layer of their own (a change to the sources rebuilds only the small layer
+# below). torch is pinned to the one now installed, so resolving `.[worker]` never swaps the base's
+# CUDA build for another; a base whose torch is not the locked one fails here, on the constraint.
+COPY pyproject.toml constraints.txt ./
+RUN if [ "$DEVICE" = cpu ]; then \
+        pip install --no-cache-dir -c constraints.txt ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch; \
+    fi \
+ && TORCH="$(python -c 'import torch; print(torch.__version__)')" \
+ && python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["worker"]))' \
+        > /tmp/requirements.txt \
+ && pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt "torch==${TORCH}" \
+ && rm /tmp/requirements.txt \
+ && python -c "import sys, torch; assert sys.argv[1] == 'cpu' or torch.version.cuda, 'torch without CUDA in the worker image'" "$DEVICE"
+
+COPY README.md ./
 COPY protos ./protos
 COPY kernels ./kernels
 COPY gpu_worker ./gpu_worker
 COPY clients ./clients
-# Pin torch to the base image's CUDA build so that resolving `.[worker]` can never swap it out.
-RUN TORCH="$(python -c 'import torch; print(torch.__version__)')" \
- && pip install --no-cache-dir ".[worker]" "torch==${TORCH}" \
- && python -c "import torch; assert torch.version.cuda, 'torch without CUDA in the worker image'" \
+# /models, empty and owned by the worker user: a new named volume mounted there (compose.yaml) takes
+# that owner, so a container of this image can write a checkpoint into it.
+RUN pip install --no-cache-dir --no-deps . \
  && python -c "import gpu_worker.server, clients.cli" \
+ && install -d -o 10001 -g 10001 /models \
  && cd / && rm -rf /src
 
 WORKDIR /
