@@ -131,7 +131,7 @@ def test_worker_image_is_cuda_torch_by_default_and_cpu_by_argument():
     assert re.search(r"ARG DEVICE=cuda\b", text)
     # The default base carries exactly the locked torch, as a CUDA build.
     assert base.startswith(f"pytorch/pytorch:{constraints()['torch']}-cuda")
-    runs = " ".join(instructions(text, "RUN"))
+    runs = " ".join(" ".join(instructions(text, "RUN")).split())
     assert 'pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt "torch==${TORCH}"' in runs
     assert 'p["optional-dependencies"]["worker"]' in runs
     # cuda keeps the base's torch and asserts it is a CUDA build; cpu installs the locked torch first.
@@ -154,6 +154,10 @@ def test_build_commands_in_the_docs_are_the_ones_the_container_test_runs():
                 assert f"-t {WORKER_CPU_IMAGE} ." in cmd, (doc, cmd)
             else:
                 assert "worker.Dockerfile" in cmd and f"-t {worker_cuda} ." in cmd, (doc, cmd)
+    # The chart's tags: appVersion for the router and CUDA workers, the -cpu tag where workers run on CPU.
+    development = yaml.safe_load((CHART / "examples" / "development.yaml").read_text())
+    assert development["workerDefaults"]["device"] == "cpu"
+    assert development["workerDefaults"]["image"]["tag"] == WORKER_CPU_IMAGE.rsplit(":", 1)[1]
 
 
 def test_compose_runs_the_images_the_container_test_builds():
