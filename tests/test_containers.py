@@ -11,6 +11,7 @@ writable path, no capabilities. They are removed at the end whatever happened.
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -198,7 +199,7 @@ def wait_serving(address: str, alive, what: str, timeout: float) -> None:
 
 
 def stream(stub, prompt: str) -> list[pb.GenerateResponse]:
-    req = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=8, temperature=0))
+    req = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(max_tokens=8, temperature=0))
     return list(stub.Generate(req, timeout=60))
 
 
@@ -255,12 +256,13 @@ def containers():
 def test_router_and_two_workers_in_containers_serve_with_prefix_caching(images, containers, tiny_model,
                                                                          tmp_path_factory):
     model = readable_copy(tiny_model, tmp_path_factory.mktemp("models", numbered=True) / "tiny-llama")
-    redis_port, router_port, metrics_port = free_port(), free_port(), free_port()
+    redis_port, router_port, metrics_port, http_port = free_port(), free_port(), free_port(), free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     redis = containers.run("redis", images["redis"], "redis-server", "--port", str(redis_port),
                            "--bind", "127.0.0.1", "--save", "", "--appendonly", "no")
     router = containers.run("router", images["router"], "--host", "127.0.0.1", "--port", str(router_port),
-                            "--metrics-port", str(metrics_port), "--redis-url", redis_url)
+                            "--metrics-port", str(metrics_port), "--http-port", str(http_port),
+                            "--redis-url", redis_url)
     workers = {}
     for i in range(2):
         port = free_port()
@@ -278,6 +280,8 @@ def test_router_and_two_workers_in_containers_serve_with_prefix_caching(images, 
             time.sleep(0.5)
         first, again = serve_twice(f"127.0.0.1:{router_port}", 30)
         assert_cached_repeat(first, again)
+        models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=10))
+        assert [m["id"] for m in models["data"]] == ["tiny-llama"]
         for name in [redis, router, *workers.values()]:
             assert containers.running(name), containers.logs(name)
         for name in [router, *workers.values()]:        # the images' own user; nothing outside /tmp writable
