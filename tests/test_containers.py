@@ -218,7 +218,7 @@ def serve_twice(address: str, timeout: float) -> tuple[list, list]:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                     raise
                 time.sleep(1)
-        time.sleep(6)           # one snapshot period (5 s): the router then knows the cached blocks
+        time.sleep(2)           # the workers publish the new blocks (KV events) to the router via Redis
         return first, stream(stub, prompt)
 
 

@@ -3,8 +3,16 @@
 # Build from the repository root:
 #   docker build -f helm/images/router.Dockerfile -t ghcr.io/pagoda-llm/pagoda-router:0.1.0 .
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
-FROM ${PYTHON_IMAGE}
 
+# The base dependency list (pyproject's `dependencies`, no extra), taken out of pyproject.toml here
+# and copied below by content: editing pyproject's other sections leaves the install layer cached.
+FROM ${PYTHON_IMAGE} AS requirements
+WORKDIR /src
+COPY pyproject.toml ./
+RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+        > requirements.txt
+
+FROM ${PYTHON_IMAGE}
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -17,14 +25,12 @@ RUN groupadd --gid 10001 pagoda \
 WORKDIR /src
 # The dependencies, at the versions constraints.txt locks, in a layer of their own: a change to the
 # sources rebuilds only the small layer below. The base list carries no torch; the check keeps it so.
-COPY pyproject.toml constraints.txt ./
-RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
-        > /tmp/requirements.txt \
- && pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt \
- && rm /tmp/requirements.txt \
+COPY constraints.txt ./
+COPY --from=requirements /src/requirements.txt ./
+RUN pip install --no-cache-dir -c constraints.txt -r requirements.txt \
  && python -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch in the router image'"
 
-COPY README.md ./
+COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY router ./router
 COPY clients ./clients

@@ -9,6 +9,16 @@
 # To bake a model in (values: model.source=image), build FROM this image and COPY the checkpoint
 # directory, e.g. to /opt/models/<name>, readable by uid 10001.
 ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
+
+# The dependency list (pyproject's `dependencies` and the `worker` extra), taken out of
+# pyproject.toml here and copied below by content: editing pyproject's other sections leaves the
+# install layers cached.
+FROM ${BASE_IMAGE} AS requirements
+WORKDIR /src
+COPY pyproject.toml ./
+RUN python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["worker"]))' \
+        > requirements.txt
+
 FROM ${BASE_IMAGE}
 # cuda: the base's torch must be a CUDA build (asserted). cpu: the CPU build of torch comes from
 # TORCH_INDEX_URL (empty: from whatever indexes pip is configured with, e.g. an offline mirror).
@@ -31,21 +41,19 @@ RUN case "$DEVICE" in cuda|cpu) ;; *) echo "DEVICE must be cuda or cpu, not '$DE
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pagoda
 
 WORKDIR /src
-# The dependencies in a layer of their own (a change to the sources rebuilds only the small layer
+# The dependencies in layers of their own (a change to the sources rebuilds only the small layer
 # below). torch is pinned to the one now installed, so resolving `.[worker]` never swaps the base's
 # CUDA build for another; a base whose torch is not the locked one fails here, on the constraint.
-COPY pyproject.toml constraints.txt ./
+COPY constraints.txt ./
 RUN if [ "$DEVICE" = cpu ]; then \
         pip install --no-cache-dir -c constraints.txt ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch; \
-    fi \
- && TORCH="$(python -c 'import torch; print(torch.__version__)')" \
- && python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["worker"]))' \
-        > /tmp/requirements.txt \
- && pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt "torch==${TORCH}" \
- && rm /tmp/requirements.txt \
+    fi
+COPY --from=requirements /src/requirements.txt ./
+RUN TORCH="$(python -c 'import torch; print(torch.__version__)')" \
+ && pip install --no-cache-dir -c constraints.txt -r requirements.txt "torch==${TORCH}" \
  && python -c "import sys, torch; assert sys.argv[1] == 'cpu' or torch.version.cuda, 'torch without CUDA in the worker image'" "$DEVICE"
 
-COPY README.md ./
+COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY kernels ./kernels
 COPY gpu_worker ./gpu_worker
