@@ -54,10 +54,12 @@ def make_checkpoint(path: str, shape: str) -> str:
     return path
 
 
-def random_model(path: str, hf_config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """Stands in for gpu_worker.loader.load_model: the real module tree, random weights on device."""
+def random_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, shard=None) -> torch.nn.Module:
+    """Stands in for gpu_worker.loader.load_model: the real module tree (this rank's shard of it
+    under tensor parallelism), random weights on device."""
     from gpu_worker.models import model_class
-    with torch.device("meta"):
+    from gpu_worker.models.parallel import Shard, sharding
+    with torch.device("meta"), sharding(shard or Shard()):
         model = model_class(hf_config)(hf_config)
     model = model.to(dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
