@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=None, help="publish load and cached blocks here (password: REDIS_PASSWORD)")
     p.add_argument("--advertise-address", default=None, help="HOST:PORT routers dial (default: hostname:port)")
     p.add_argument("--worker-id", default=None, help="default: hostname-port-pid-random")
+    p.add_argument("--worker-name", default=None,
+                   help="stable name for metric labels across restarts (default: $POD_NAME, else the worker "
+                        "id when given, else hostname-port)")
+    p.add_argument("--metrics-prefix", choices=["pagoda", "vllm"], default="pagoda",
+                   help="vllm: publish metrics under vLLM's own names and labels (its dashboards work as is)")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--snapshot-interval", type=float, default=5.0)
     p.add_argument("--drain-grace-seconds", type=float, default=30.0,
@@ -48,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 def default_worker_id(port: int) -> str:
     # Unique per process even when a pod restarts with the same hostname and pid.
     return f"{socket.gethostname()}-{port}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def worker_name(args: argparse.Namespace, port: int) -> str:
+    return args.worker_name or os.environ.get("POD_NAME") or args.worker_id or f"{socket.gethostname()}-{port}"
 
 
 def advertise_address(args: argparse.Namespace) -> str:

@@ -1,4 +1,7 @@
-"""Prometheus metrics of one worker, named as vLLM names them (`pagoda:` in place of `vllm:`).
+"""Prometheus metrics of one worker, named as vLLM names them: under `pagoda:` by default, or
+with prefix "vllm" exactly as vLLM exposes them (`vllm:` names, labels model_name and engine),
+so that vLLM's dashboards, KEDA rules and alerts work unchanged. Series vLLM has no name for
+stay under `pagoda:` either way.
 
 Load gauges and cumulative token counters are read from engine.stats() at scrape time, so they
 cost nothing per step; latency histograms are observed by the server as tokens stream out.
@@ -22,24 +25,44 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0)
 
 
+PREFIXES = ("pagoda", "vllm")
+# Where vLLM's name differs from ours (vLLM v1's PrometheusStatLogger), and ours it lacks.
+_VLLM_NAMES = {"inter_token_latency_seconds": "time_per_output_token_seconds"}
+_PAGODA_ONLY = {"num_kv_blocks", "num_free_kv_blocks"}
+
+
+class _Naming:
+    def __init__(self, prefix: str, model_name: str):
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics_prefix: must be one of {', '.join(PREFIXES)} (got {prefix!r})")
+        self.vllm = prefix == "vllm"
+        # vLLM labels every series with its engine index; one engine per pagoda worker.
+        self.labels = ["model_name", "engine"] if self.vllm else ["model_name"]
+        self.values = [model_name, "0"] if self.vllm else [model_name]
+
+    def __call__(self, name: str) -> str:
+        if self.vllm and name not in _PAGODA_ONLY:
+            return "vllm:" + _VLLM_NAMES.get(name, name)
+        return "pagoda:" + name
+
+
 class _EngineCollector:
     """Turns one engine.stats() snapshot into the load gauges and token counters."""
 
-    def __init__(self, stats: Callable[[], "EngineStats"], model_name: str):
-        self.stats, self.model_name = stats, model_name
+    def __init__(self, stats: Callable[[], "EngineStats"], naming: _Naming):
+        self.stats, self.naming = stats, naming
 
     def collect(self):
-        s = self.stats()
-        label = [self.model_name]
+        s, n = self.stats(), self.naming
 
         def gauge(name, doc, value):
-            g = GaugeMetricFamily(f"pagoda:{name}", doc, labels=["model_name"])
-            g.add_metric(label, value)
+            g = GaugeMetricFamily(n(name), doc, labels=n.labels)
+            g.add_metric(n.values, value)
             return g
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(f"pagoda:{name}", doc, labels=["model_name"])
-            c.add_metric(label, value)
+            c = CounterMetricFamily(n(name), doc, labels=n.labels)
+            c.add_metric(n.values, value)
             return c
 
         yield gauge("num_requests_running", "Requests in the running batch.", s.running)
@@ -57,23 +80,22 @@ class _EngineCollector:
 class WorkerMetrics:
     """One registry per worker (not the process-global one), so tests can run several."""
 
-    def __init__(self, stats: Callable[[], "EngineStats"], model_name: str):
-        self.registry = CollectorRegistry()
-        self.model_name = model_name
-        self.registry.register(_EngineCollector(stats, model_name))
-        kw: dict[str, Any] = dict(labelnames=["model_name"], registry=self.registry)
-        self.ttft = Histogram("pagoda:time_to_first_token_seconds", "Time to first token.",
-                              buckets=TTFT_BUCKETS, **kw).labels(model_name)
-        self.itl = Histogram("pagoda:inter_token_latency_seconds", "Time between streamed tokens.",
-                             buckets=ITL_BUCKETS, **kw).labels(model_name)
-        self.e2e = Histogram("pagoda:e2e_request_latency_seconds", "Request latency, arrival to finish.",
-                             buckets=E2E_BUCKETS, **kw).labels(model_name)
-        self.success = Counter("pagoda:request_success", "Finished requests by finish reason.",
-                               labelnames=["model_name", "finished_reason"], registry=self.registry)
+    def __init__(self, stats: Callable[[], "EngineStats"], model_name: str, prefix: str = "pagoda"):
+        self.registry = r = CollectorRegistry()
+        n = self.naming = _Naming(prefix, model_name)
+        r.register(_EngineCollector(stats, n))
+        self.ttft = Histogram(n("time_to_first_token_seconds"), "Time to first token.", n.labels,
+                              registry=r, buckets=TTFT_BUCKETS).labels(*n.values)
+        self.itl = Histogram(n("inter_token_latency_seconds"), "Time between streamed tokens.", n.labels,
+                             registry=r, buckets=ITL_BUCKETS).labels(*n.values)
+        self.e2e = Histogram(n("e2e_request_latency_seconds"), "Request latency, arrival to finish.", n.labels,
+                             registry=r, buckets=E2E_BUCKETS).labels(*n.values)
+        self.success = Counter(n("request_success"), "Finished requests by finish reason.",
+                               n.labels + ["finished_reason"], registry=r)
         self._server: Any = None
 
     def request_finished(self, reason: str) -> None:
-        self.success.labels(self.model_name, reason or "abort").inc()
+        self.success.labels(*self.naming.values, reason or "abort").inc()
 
     def serve(self, host: str, port: int) -> int:
         """Starts the HTTP exporter in a daemon thread; returns the bound port."""

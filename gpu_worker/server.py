@@ -242,7 +242,7 @@ class Worker:
         self.worker_id = a.worker_id or worker_args.default_worker_id(self.port)
         if a.metrics_port:
             from gpu_worker.metrics import WorkerMetrics
-            self.metrics = WorkerMetrics(engine.stats, engine.model_name)
+            self.metrics = WorkerMetrics(engine.stats, engine.model_name, a.metrics_prefix)
             self.metrics.serve(a.host, a.metrics_port)
         health_servicer = health.aio.HealthServicer()
         self.service = WorkerService(engine, tokenizer, self.worker_id, self.metrics, health_servicer,
@@ -276,10 +276,11 @@ class Worker:
         except ImportError as e:    # the publisher is optional: serving must not depend on Redis
             log.warning("redis publisher unavailable (%s); serving without it", e)
             return
-        from gpu_worker.args import advertise_address
+        from gpu_worker.args import advertise_address, worker_name
         address = a.advertise_address or advertise_address(_with_port(a, self.port))
         self.publisher = Publisher(a.redis_url, self.worker_id, self.engine.model_name, address, self.engine,
-                                   heartbeat_s=a.heartbeat_interval, snapshot_s=a.snapshot_interval)
+                                   heartbeat_s=a.heartbeat_interval, snapshot_s=a.snapshot_interval,
+                                   name=worker_name(a, self.port))
         await self.publisher.start()
 
     async def _stop_publisher(self) -> None:

@@ -5,14 +5,35 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 
+# The workers' (and vLLM's) bucket edges, so router and worker quantiles line up on one dashboard.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
+
+
 class RouterMetrics:
     def __init__(self, cluster, index):
         self.registry = r = CollectorRegistry()
         self.decisions = Counter("pagoda_router_decisions", "Routing decisions by policy and outcome",
                                  ["policy", "outcome"], registry=r)
+        pm = ["policy", "model"]
         self.decision_seconds = Histogram(
-            "pagoda_router_decision_seconds", "Time to tokenize, hash and score one request", registry=r,
+            "pagoda_router_decision_seconds", "Time to tokenize, hash and score one request", pm, registry=r,
             buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0))
+        self.ttft = Histogram("pagoda_router_time_to_first_token_seconds",
+                              "Request arrival at the router to the first token relayed", pm, registry=r,
+                              buckets=TTFT_BUCKETS)
+        self.e2e = Histogram("pagoda_router_e2e_request_latency_seconds",
+                             "Request arrival at the router to its last token relayed", pm, registry=r,
+                             buckets=E2E_BUCKETS)
+        self.cached_error = Histogram(
+            "pagoda_router_cached_tokens_error",
+            "Per decision, prompt tokens the worker reported cached minus those the router predicted "
+            "(negative: the router expected a hit that was gone)", pm, registry=r, buckets=ERROR_BUCKETS)
+        # Labelled by the worker's stable name (pod or --worker-name), not its per-process id,
+        # so that restarts do not grow the label set.
         self.attempts = Counter("pagoda_router_worker_attempts", "Requests sent to each worker by result",
                                 ["worker", "result"], registry=r)
         self.predicted_cached = Counter("pagoda_router_predicted_cached_tokens",

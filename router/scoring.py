@@ -55,8 +55,11 @@ GONE_GRACE_S = 0.2
 
 @dataclass
 class Credit:
-    prefill_tokens: int
+    prefill_tokens: int      # still to compute (0 once the first token is out)
     sent_at: float           # router wall clock, compared with the worker's report stamp
+    prompt_tokens: int = 0   # prefill it was sent with
+    first_at: float = float("inf")     # when its first token came (router clock)
+    ended_at: float = float("inf")
 
 
 @dataclass(eq=False)
@@ -66,11 +69,11 @@ class WorkerState:
     next_resync: float = 0.0
     credits: dict[str, Credit] = field(default_factory=dict)   # request id -> in-flight credit
     credit_prefill: int = 0                 # sum of the credits' prefill tokens
-    # Requests a report already counts (their credit was dropped): request id -> sent at; and
-    # requests that ended, until a report stamped after their end: id -> (sent at, ended at).
-    # A report stamped between the two still counts one as running, so it is taken off.
-    counted: dict[str, float] = field(default_factory=dict)
-    gone: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Requests a report already counts (their credit was dropped), and requests that ended, kept
+    # until a report stamped after their end: a report stamped between sending and the end still
+    # counts one as running (and before its first token, its prefill as queued), so it is taken off.
+    counted: dict[str, Credit] = field(default_factory=dict)
+    gone: dict[str, Credit] = field(default_factory=dict)
     _memo: tuple[float, float, float, float] | None = field(default=None, repr=False)   # figures()
     _sink: set | None = field(default=None, repr=False)     # a scorer's set of workers to refresh
 
@@ -90,16 +93,16 @@ class WorkerState:
 
     def credit(self, request_id: str, prefill_tokens: int, now: float) -> None:
         self.uncredit(request_id)
-        self.credits[request_id] = Credit(prefill_tokens, now)
+        self.credits[request_id] = Credit(prefill_tokens, now, prefill_tokens)
         self.credit_prefill += prefill_tokens
         self._changed()
 
-    def prefill_done(self, request_id: str) -> None:
+    def prefill_done(self, request_id: str, now: float = 0.0) -> None:
         """First token out: its prefill no longer waits, but it decodes until it finishes."""
-        c = self.credits.get(request_id)
+        c = self.credits.get(request_id) or self.counted.get(request_id)
         if c:
-            self.credit_prefill -= c.prefill_tokens
-            c.prefill_tokens = 0
+            self.credit_prefill -= c.prefill_tokens if request_id in self.credits else 0
+            c.prefill_tokens, c.first_at = 0, now
             self._changed()
 
     def uncredit(self, request_id: str) -> None:
@@ -115,9 +118,11 @@ class WorkerState:
         c = self.credits.pop(request_id, None)
         if c:
             self.credit_prefill -= c.prefill_tokens
-            self.gone[request_id] = (c.sent_at, now)
-        elif request_id in self.counted:
-            self.gone[request_id] = (self.counted.pop(request_id), now)
+        else:
+            c = self.counted.pop(request_id, None)
+        if c:
+            c.ended_at = now
+            self.gone[request_id] = c
         self._changed()
 
     def on_heartbeat(self, lease: Lease) -> None:
@@ -128,11 +133,11 @@ class WorkerState:
             return
         self.lease = lease
         for k in [k for k, c in self.credits.items() if c.sent_at < lease.ts]:
-            self.counted[k] = self.credits.pop(k).sent_at
+            self.counted[k] = self.credits.pop(k)
         self.credit_prefill = sum(c.prefill_tokens for c in self.credits.values())
         # A worker lets go of a request a moment after its last token is out: only a report
         # stamped well after the end is trusted not to count it.
-        self.gone = {k: t for k, t in self.gone.items() if t[1] + GONE_GRACE_S >= lease.ts}
+        self.gone = {k: c for k, c in self.gone.items() if c.ended_at + GONE_GRACE_S >= lease.ts}
         self._changed()
 
     def rates(self) -> tuple[float, float, float, int]:
@@ -148,10 +153,14 @@ class WorkerState:
             return self._memo
         rp, rd, s, b = self.rates()
         ls = self.lease
-        ended = sum(1 for sent, _ in self.gone.values() if sent < ls.ts) if self.gone else 0
+        ended = ended_prefill = 0
+        for c in self.gone.values():
+            if c.sent_at < ls.ts:              # the report counts it
+                ended += 1
+                ended_prefill += c.prompt_tokens if ls.ts < c.first_at else 0
         decoding = max(0, ls.running + ls.waiting + len(self.credits) - ended)
         per_token = 1.0 / rp + (s + decoding / rd) / b
-        base = (ls.queued_prefill_tokens + self.credit_prefill) * per_token
+        base = max(0, ls.queued_prefill_tokens - ended_prefill + self.credit_prefill) * per_token
         if ls.kv_usage > KV_KNEE:
             base += KV_PENALTY_TOKENS * per_token * ((ls.kv_usage - KV_KNEE) / (1 - KV_KNEE)) ** 2
         self._memo = (base, DECODE_SHARE * decoding / rd, per_token, per_token * b)

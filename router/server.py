@@ -71,12 +71,13 @@ class RouterService(pb_grpc.GenerationServicer):
         """Route and proxy one request (the gRPC and HTTP fronts share it); a refusal or failure
         is raised as _Reject with the status to answer."""
         policy = self.scorer.policy
+        arrived = time.perf_counter()
         try:
             model, workers = self.candidates(request.model)
             t0 = time.perf_counter()
             token_ids = await self._prompt_ids(model, workers, request)
             ranked, hashes = self.rank(model, workers, request, token_ids)
-            self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+            self.metrics.decision_seconds.labels(policy, model).observe(time.perf_counter() - t0)
         except _Reject:
             self.metrics.decisions.labels(policy, "rejected").inc()
             raise
@@ -102,12 +103,12 @@ class RouterService(pb_grpc.GenerationServicer):
                 w.uncredit(upstream.request_id)
                 last_error = e
                 if e.code() in _CLIENT_ERRORS:
-                    self.metrics.attempts.labels(w.id, "rejected").inc()
+                    self.metrics.attempts.labels(w.name, "rejected").inc()
                     self.metrics.decisions.labels(policy, "rejected").inc()
                     raise _Reject(e.code(), e.details()) from None
                 if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self.breaker.failure(w.id)
-                self.metrics.attempts.labels(w.id, "failed_before_first").inc()
+                self.metrics.attempts.labels(w.name, "failed_before_first").inc()
                 log.warning("worker %s failed before the first token (%s: %s); trying the next",
                             w.id, e.code().name, e.details())
                 continue
@@ -117,19 +118,20 @@ class RouterService(pb_grpc.GenerationServicer):
                 raise
             if first is grpc.aio.EOF:
                 last_error = None
-                self.metrics.attempts.labels(w.id, "empty").inc()
+                self.metrics.attempts.labels(w.name, "empty").inc()
                 continue
             self.breaker.success(w.id)
-            w.prefill_done(upstream.request_id)
+            w.prefill_done(upstream.request_id, time.time())
+            self.metrics.ttft.labels(policy, model).observe(time.perf_counter() - arrived)
             self.metrics.predicted_cached.inc(choice.cached_tokens)
             self.metrics.prompt_tokens.inc(len(token_ids))
             outcome = "ok" if attempt == 0 else "retried_ok"
             try:
-                async for resp in self._relay(first, call, model):
+                async for resp in self._relay(first, call, policy, model, choice.cached_tokens):
                     yield resp
             except grpc.aio.AioRpcError as e:
                 self.breaker.failure(w.id)
-                self.metrics.attempts.labels(w.id, "failed_mid_stream").inc()
+                self.metrics.attempts.labels(w.name, "failed_mid_stream").inc()
                 self.metrics.decisions.labels(policy, "failed_mid_stream").inc()
                 raise _Reject(grpc.StatusCode.UNAVAILABLE,
                               f"worker {w.id} failed mid-stream ({e.code().name}: {e.details()}); "
@@ -137,8 +139,9 @@ class RouterService(pb_grpc.GenerationServicer):
             finally:
                 call.cancel()               # no-op when finished; aborts the worker's request otherwise
                 w.finish(upstream.request_id, time.time())     # it no longer loads the worker
-            self.metrics.attempts.labels(w.id, "ok").inc()
+            self.metrics.attempts.labels(w.name, "ok").inc()
             self.metrics.decisions.labels(policy, outcome).inc()
+            self.metrics.e2e.labels(policy, model).observe(time.perf_counter() - arrived)
             return
         self.metrics.decisions.labels(policy, "failed").inc()
         if last_error is not None and last_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -147,12 +150,13 @@ class RouterService(pb_grpc.GenerationServicer):
         raise _Reject(grpc.StatusCode.UNAVAILABLE,
                       f"no worker for model {model!r} could serve the request (last: {detail})")
 
-    async def _relay(self, first, call, model):
+    async def _relay(self, first, call, policy, model, predicted):
         reported = False
         resp = first
         while resp is not grpc.aio.EOF:
             if resp.finished and resp.index == 0 and not reported and resp.HasField("usage"):
                 self.metrics.reported_cached.inc(resp.usage.cached_prompt_tokens)
+                self.metrics.cached_error.labels(policy, model).observe(resp.usage.cached_prompt_tokens - predicted)
                 self.scorer.observe_output(resp.usage.completion_tokens)
                 reported = True
             yield resp

@@ -116,8 +116,15 @@ def test_errors_tokenization_health_and_reflection(redis_server, start_fake_work
     refl = reflection_pb2_grpc.ServerReflectionStub(ch)
     resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     assert "pagoda.v1.Generation" in {s.name for s in resp.list_services_response.service}
-    hist = router.metrics()
-    assert hist["pagoda_router_decision_seconds_count"] >= 1
+    # Histograms per policy and model: decision time, TTFT and latency as the client sees them, and
+    # per decision how far the predicted cache hit was from the worker's report.
+    labels = {"policy": "prefix_aware", "model": "m"}
+    for name in ("decision_seconds", "time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "cached_tokens_error"):
+        assert metric(router, f"pagoda_router_{name}_count", **labels) >= 1, name
+    assert metric(router, "pagoda_router_e2e_request_latency_seconds_sum", **labels) >= \
+        metric(router, "pagoda_router_time_to_first_token_seconds_sum", **labels) > 0
+    assert metric(router, "pagoda_router_cached_tokens_error_bucket", le="-1.0", **labels) == 0
 
 
 def test_breaker_keeps_a_failing_worker_out_then_lets_one_trial_through(redis_server, start_fake_worker,

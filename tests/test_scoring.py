@@ -123,6 +123,15 @@ def test_a_request_that_ended_stops_loading_its_worker_before_the_next_report():
     assert w.load_cost() == pytest.approx(one) and not w.gone
 
 
+def test_a_report_taken_before_a_requests_first_token_does_not_bring_its_prefill_back():
+    w = worker("a")
+    w.credit("r1", 100, now=10.0)
+    w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=10.1, waiting=1, queued_prefill_tokens=100, **RATES))
+    w.prefill_done("r1", now=10.3)
+    w.finish("r1", now=10.4)
+    assert w.load_cost() == 0          # that report still shows r1 queued, but it has come and gone
+
+
 def test_kv_pressure_penalty():
     calm, full = worker("a", kv_usage=0.5), worker("b", kv_usage=0.99)
     assert calm.load_cost() == 0

@@ -224,6 +224,29 @@ def test_metrics_scrape_parses_and_holds_the_series(worker, client):
     assert before.num_blocks == NUM_BLOCKS
 
 
+def test_vllm_metrics_prefix_serves_vllms_names_and_labels(start_worker, tiny_model):
+    """--metrics-prefix vllm: the series vLLM's dashboards and KEDA rules query, by vLLM's names
+    (v1 PrometheusStatLogger) with its labels model_name and engine."""
+    w = start_worker(tiny_model, **{**TINY_WORKER_FLAGS, "metrics_prefix": "vllm", "served_model_name": "tiny"})
+    with PagodaClient(w.address, retries=0) as c:
+        c.complete(PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=5).read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    labels = (("engine", "0"), ("model_name", "tiny"))
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count"):
+        assert (name, labels) in samples, name
+    assert samples["vllm:generation_tokens_total", labels] == 3
+    assert samples["vllm:e2e_request_latency_seconds_count", labels] == 1
+    assert samples["vllm:request_success_total", tuple(sorted((*labels, ("finished_reason", "length"))))] == 1
+    assert not any(n.startswith("pagoda:") for n, _ in samples if n not in (
+        "pagoda:num_kv_blocks", "pagoda:num_free_kv_blocks"))     # vLLM has no name for these
+
+
 def test_backpressure_then_sigterm_drains_and_exits_zero(start_worker, tiny_model, redis_server):
     import redis
 

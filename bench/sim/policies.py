@@ -65,7 +65,7 @@ class RouterPolicy:
     def on_first_token(self, req) -> None:
         w = self.cluster.workers.get(f"sim-{req.worker}")
         if w is not None:
-            w.prefill_done(req.rid)
+            w.prefill_done(req.rid, time.time())
 
     def on_finish(self, req) -> None:
         self.scorer.observe_output(len(req.output))
