@@ -93,6 +93,7 @@ def test_values_map_one_to_one_onto_flags():
                    "max_num_batched_tokens": w["maxNumBatchedTokens"], "max_model_len": w["maxModelLen"],
                    "max_waiting": w["maxWaiting"], "heartbeat_interval": w["heartbeatInterval"],
                    "snapshot_interval": w["snapshotInterval"], "scheduling_policy": "priority",
+                   "metrics_prefix": "vllm",
                    "dtype": "bfloat16", "block_size": 32, "no_prefix_caching": True, "enforce_eager": True, "port": 50051,
                    "redis_url": "redis://rel-pagoda-redis:6379/0", "gpu_memory_utilization": 0.9,
                    "max_num_seqs": 256, "drain_grace_seconds": 30, "log_level": "INFO"},
@@ -115,6 +116,7 @@ def test_values_map_one_to_one_onto_flags():
             assert ns.model == spec["model"]["path"]
             assert ns.served_model_name == spec.get("servedModelName", group)
             assert ns.advertise_address == f"{POD['POD_IP']}:50051" and ns.worker_id == POD["POD_NAME"]
+            assert ns.worker_name == POD["POD_NAME"]
             assert ns.device == spec.get("device", w["device"])
             assert ns.tensor_parallel_size == max(spec.get("gpus", 1), 1)
         covered[cmd] = True

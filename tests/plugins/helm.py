@@ -37,7 +37,7 @@ EVERYTHING = {
         "topologySpread": {"enabled": True},
         "kvCacheMemory": "20GiB", "numKvBlocks": 4096, "maxNumBatchedTokens": 4096, "maxModelLen": 8192,
         "maxWaiting": 100, "heartbeatInterval": 0.25, "snapshotInterval": 2, "prefixCaching": False, "enforceEager": True,
-        "schedulingPolicy": "priority", "dtype": "bfloat16", "device": "cuda", "blockSize": 32,
+        "schedulingPolicy": "priority", "metricsPrefix": "vllm", "dtype": "bfloat16", "device": "cuda", "blockSize": 32,
         "nodeSelector": {"gpu": "h100"},
         "podAnnotations": {"note": "x"},
     },
@@ -49,7 +49,8 @@ EVERYTHING = {
          "gpus": 2},
         {"name": "c", "gpus": 0, "device": "cpu", "model": {"source": "image", "path": "/opt/c"}},
     ],
-    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+                "dashboard": {"enabled": True, "labels": {"grafana_dashboard": "1"}}},
     "networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {"matchLabels": {"n": "mon"}}}]},
 }
 
