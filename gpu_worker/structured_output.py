@@ -108,8 +108,12 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 return hit
             if self._tokenizer is None:
-                self._tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                  eos_token=self.eos)
+                try:
+                    self._tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                      eos_token=self.eos)
+                except ValueError as e:     # the model's tokenizer, not the request, is at fault
+                    raise ValueError(f"{spec.param}: structured output is unavailable for this model's "
+                                     f"tokenizer ({_one_line(str(e))})") from None
         grammar, tokenizer = _grammar_text(spec), self._tokenizer
         error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
         template = None if error else llg.LLMatcher(tokenizer, grammar, log_level=0)

@@ -60,6 +60,12 @@ def test_invalid_grammars_name_the_parameter(compiler):
             compiler.compile(GuidedSpec(kind, value))
 
 
+def test_a_tokenizer_llguidance_cannot_read_is_named_in_the_error():
+    broken = GrammarCompiler('{"model": "no tokenizer"}', 640, [2])
+    with pytest.raises(ValueError, match="^guided_choice: structured output is unavailable"):
+        broken.compile(GuidedSpec("choice", '["a"]'))
+
+
 def test_compiled_grammars_are_cached_per_spec(compiler):
     a = compiler.compile(GuidedSpec("json_schema", json.dumps(SCHEMA)))
     assert compiler.compile(GuidedSpec("json_schema", json.dumps(SCHEMA))) is a
