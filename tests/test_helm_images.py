@@ -106,9 +106,12 @@ def constraints() -> dict[str, str]:
 def test_constraints_lock_every_dependency_within_its_range():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pins = constraints()
+    assert "triton" not in pins     # the CUDA build of torch pins its own (constraints.txt says why)
     for req in project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]:
         r = Requirement(req)
         name = canonicalize_name(r.name)
+        if name == "triton":
+            continue
         assert name in pins, f"{r.name} (pyproject.toml) has no pin in constraints.txt: add {r.name}==VERSION"
         assert r.specifier.contains(pins[name], prereleases=True), \
             f"constraints.txt pins {r.name}=={pins[name]}, outside pyproject.toml's {req!r}"
