@@ -8,6 +8,12 @@ Layout shared by every backend:
   query_start_loc[s]:query_start_loc[s+1], has seq_lens[s] tokens of context including
   those rows (so its first query sits at position seq_lens[s] - q_len), and its KV lives
   in blocks block_tables[s, :ceil(seq_lens[s] / block_size)].
+
+Attention features, the same keywords for every backend (HF semantics, so that parity holds):
+  sliding_window W: the query at position p sees keys p - W < k <= p (W keys, itself included).
+  softcap c: scores (already scaled) become c * tanh(score / c) before masking and softmax.
+  sinks [Hq]: one extra logit per query head in the softmax denominator, with no value row
+  (gpt-oss); it takes probability mass away from every key.
 """
 from __future__ import annotations
 
@@ -37,14 +43,16 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float,
-                        out: torch.Tensor | None = None, *, max_seq_len: int | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, *, max_seq_len: int | None = None,
+                        sliding_window: int | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's paged KV; returns [T, Hq, D].
 
     max_seq_len: accepted for the kernels' contract (a split-KV hint); lengths come from seq_lens.
 
     Single-token queries (decode) are computed together in one flat pass; longer ones (prefill
-    chunks) with one SDPA call each. A Python loop over decodes made attention two thirds of a
-    CPU decode step.
+    chunks) with one SDPA call each (written out when soft-capping or sinks need the scores).
+    A Python loop over decodes made attention two thirds of a CPU decode step.
     """
     if out is None:
         out = torch.empty_like(q)
@@ -54,7 +62,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     decodes = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
     if decodes:
         _decode_batched(q, k_cache, v_cache, block_tables, decodes, [starts[s] for s in decodes],
-                        [lens[s] for s in decodes], scale, out)
+                        [lens[s] for s in decodes], scale, out, sliding_window, softcap, sinks)
     for s, seq_len in enumerate(lens):
         q_len = starts[s + 1] - starts[s]
         if q_len <= 1:
@@ -64,28 +72,54 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = gather_kv(v_cache, block_tables[s], seq_len)
         # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q_s.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
-            attn_mask=mask, scale=scale, enable_gqa=gqa)
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos[:, None]
+        if sliding_window:
+            mask &= k_pos > q_pos[:, None] - sliding_window
+        qf, kf, vf = q_s.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float()
+        if softcap or sinks is not None:
+            o = _dense_attention(qf, kf, vf, mask, scale, softcap, sinks)
+        else:
+            o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[starts[s]:starts[s + 1]] = o.transpose(0, 1).to(out.dtype)
     return out
 
 
-def _decode_batched(q, k_cache, v_cache, block_tables, seqs, rows, lens, scale, out) -> None:
+def _dense_attention(q, k, v, mask, scale, softcap, sinks):
+    """q [Hq, L, D], k/v [Hkv, S, D] fp32, mask [L, S] -> [Hq, L, D], with the scores in hand."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1), v)
+    sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(probs, v)
+
+
+def _decode_batched(q, k_cache, v_cache, block_tables, seqs, rows, lens, scale, out,
+                    sliding_window=None, softcap=None, sinks=None) -> None:
     """One query token per sequence, all sequences at once and without padding to the longest:
     gather every sequence's blocks into one run, score each block against its own sequence's
     query with one batched matmul, then softmax and weighted sum per sequence (scatter max,
-    index_add). Only the unfilled tail of each last block is masked: no padding to the longest."""
+    index_add). Only the unfilled tail of each last block (and, with a sliding window, the
+    head of the first block in the window) is masked; blocks wholly before the window are
+    not gathered at all."""
     dev = q.device
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs, num_q_heads, head_dim = len(seqs), q.shape[1], q.shape[2]
     group = num_q_heads // num_kv_heads
-    nblocks = [-(-n // block_size) for n in lens]
+    lo = [max(0, n - sliding_window) if sliding_window else 0 for n in lens]  # first visible key
+    skip = [x // block_size for x in lo]
+    nblocks = [-(-n // block_size) - k for n, k in zip(lens, skip)]
     seg = torch.repeat_interleave(torch.arange(num_seqs, device=dev), torch.tensor(nblocks, device=dev))
     tables = block_tables[torch.tensor(seqs, device=dev)]
     first = torch.cumsum(torch.tensor(nblocks, device=dev), 0) - torch.tensor(nblocks, device=dev)
-    which = torch.arange(seg.numel(), device=dev) - first[seg]          # block index within its sequence
+    # Block index within its sequence.
+    which = torch.arange(seg.numel(), device=dev) - first[seg] + torch.tensor(skip, device=dev)[seg]
     block_ids = tables[seg, which].long()
     # [B, bs, Hkv, D]: blocks copied whole, the cheap way to gather on a CPU.
     k = k_cache.index_select(0, block_ids).float()
@@ -100,16 +134,26 @@ def _decode_batched(q, k_cache, v_cache, block_tables, seqs, rows, lens, scale, 
     cross = torch.bmm(k.view(nb, block_size * heads, head_dim),
                       qs.index_select(0, seg).view(nb, heads * group, head_dim).transpose(1, 2))
     scores = cross.view(nb, block_size, heads, heads, group).diagonal(dim1=2, dim2=3) * scale  # [B, bs, g, Hkv]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     token = which[:, None] * block_size + torch.arange(block_size, device=dev)[None, :]
     valid = token < torch.tensor(lens, device=dev)[seg][:, None]                    # [B, bs]
+    if sliding_window:
+        valid &= token >= torch.tensor(lo, device=dev)[seg][:, None]
     scores.masked_fill_(~valid[:, :, None, None], float("-inf"))
     peak = torch.full((num_seqs, group, heads), float("-inf"), device=dev)
+    if sinks is not None:
+        # Query head h = kv_head * group + g, so [Hq] -> [g, Hkv].
+        sink = sinks.float().view(heads, group).t().expand(num_seqs, group, heads)
+        peak = sink.clone()
     block_peak = scores.amax(dim=1)                                                 # [B, g, Hkv]
     peak = peak.scatter_reduce(0, seg.view(-1, 1, 1).expand_as(block_peak), block_peak, "amax")
-    # Masked slots get weight exactly 0. Only the unfilled tail of a sequence's own last block
-    # is masked, and the pool's slots only ever hold zeros or computed K/V, so 0 * V stays 0.
+    # Masked slots get weight exactly 0. Only slots outside the sequence's own visible range
+    # are masked, and the pool's slots only ever hold zeros or computed K/V, so 0 * V stays 0.
     p = torch.exp(scores - peak.index_select(0, seg).unsqueeze(1))
     denom = torch.zeros_like(peak).index_add_(0, seg, p.sum(dim=1))                 # [S, g, Hkv]
+    if sinks is not None:
+        denom += torch.exp(sink - peak)
     # Weighted sum the same way: a block-diagonal [H*g, bs*H] weight matrix per block.
     weights = torch.zeros(nb, heads, group, block_size, heads, device=dev)
     weights.diagonal(dim1=1, dim2=4).copy_(p.permute(0, 2, 1, 3))

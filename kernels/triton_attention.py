@@ -11,6 +11,10 @@ Same contract as kernels.reference.paged_attention_ref (layout described there).
 - Split-KV: for few sequences with long contexts the key range is cut into NUM_SPLITS segments
   handled by separate programs that write partial (max, sum, unnormalised output); a merge
   kernel combines them. Empty segments write the neutral partial (m=-1e30, l=0, acc=0).
+- Features (constexpr switches, so plain attention compiles as before): a sliding window masks
+  keys at or before q_pos - window and starts the walk at the first key tile any row of the tile
+  can see; soft-capping applies c * tanh(s / c) to the scaled scores; sinks seed the online
+  softmax with one extra logit per head (m = sink, l = 1, no value), in split 0 only.
 """
 from __future__ import annotations
 
@@ -34,11 +38,12 @@ STEP_VARYING = ("num_seqs", "num_tokens", "stride_bt")
 @triton.jit(do_not_specialize=STEP_VARYING)
 def _paged_attn_kernel(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_ml,
-        scale_log2, num_seqs, num_tokens, num_q_heads,
+        scale_log2, window, softcap, sinks, num_seqs, num_tokens, num_q_heads,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -75,17 +80,26 @@ def _paged_attn_kernel(
 
     # Keys this tile can see end at its last token's position.
     kv_end = tl.minimum(seq_len, ctx_len + q_tok0 + BLOCK_Q)
-    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
+    # ... and, under a window, start at the first key its first token can see.
+    t_first = 0
+    if HAS_WINDOW:
+        t_first = tl.maximum(ctx_len + q_tok0 - window + 1, 0) // BLOCK_N
+    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N) - t_first
     if NUM_SPLITS == 1:
-        t_lo = 0
-        t_hi = num_kv_tiles
+        t_lo = t_first
+        t_hi = t_first + num_kv_tiles
     else:
         per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
-        t_lo = split * per_split
-        t_hi = tl.minimum(t_lo + per_split, num_kv_tiles)
+        t_lo = t_first + split * per_split
+        t_hi = tl.minimum(t_lo + per_split, t_first + num_kv_tiles)
 
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # The sink is a key with logit sinks[head] and a zero value row, counted in split 0 only.
+        sink = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, l_i + 1.0, l_i)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     bt_row = block_tables + seq.to(tl.int64) * stride_bt
     cols = tl.arange(0, BLOCK_N)
@@ -97,7 +111,14 @@ def _paged_attn_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-        s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        if HAS_SOFTCAP:
+            # c * tanh(x / c) in natural units (scale_log2 carries log2 e): tanh(y) = 1 - 2 / (e^2y + 1).
+            y = s * (0.6931471805599453 / softcap)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * 1.4426950408889634
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -209,8 +230,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, *, num_splits: int | None = None,
-                           max_seq_len: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None, block_n: int | None = None,
+                           sliding_window: int | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's paged KV; returns out [T, Hq, D].
+
+    sliding_window / softcap / sinks as in kernels.reference.paged_attention_ref.
 
     Optional, keyword only: num_splits forces the split-KV segment count (default: chosen from
     the batch shape and the GPU's SM count); max_seq_len, if the caller knows it, keeps short
@@ -220,6 +245,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     _check(q, k_cache, v_cache, block_tables, query_start_loc, num_seqs)
+    if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.device != q.device):
+        raise ValueError(f"sinks: expected [{num_q_heads}] on {q.device}, got {tuple(sinks.shape)}")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.stride(2) != 1:
@@ -238,10 +265,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_warps = cfg.pop("num_warps")
     for_tensor(_paged_attn_kernel, q)[(num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_ml,
-        scale * _LOG2E, num_seqs, num_tokens, num_q_heads,
+        scale * _LOG2E, int(sliding_window or 0), float(softcap or 0.0),
+        sinks if sinks is not None else q, num_seqs, num_tokens, num_q_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=2, **cfg)
+        NUM_SPLITS=num_splits, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=2, **cfg)
     if num_splits > 1:
         # Per head on a GPU, for parallelism; all heads per token under the interpreter, where
         # each program costs milliseconds.

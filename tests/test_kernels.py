@@ -83,6 +83,46 @@ def test_split_kv_matches_reference(poisoned_workspace, bs, group, head_dim, dty
     run_attention(bs, group, head_dim, dtype, name, "cpu", num_splits=splits)
 
 
+def feature_kwargs(feature: str, num_q_heads: int, bs: int, device) -> dict:
+    """Keywords for one attention feature; the window is not a multiple of the block size."""
+    gen = torch.Generator().manual_seed(9)
+    kw: dict = {}
+    if feature in ("window", "all"):
+        kw["sliding_window"] = bs + 3
+    if feature in ("softcap", "all"):
+        kw["softcap"] = 1.5
+    if feature in ("sinks", "all"):
+        kw["sinks"] = torch.randn(num_q_heads, generator=gen).to(device)
+    return kw
+
+
+# Each feature on decode and on prefill chunks over a cached prefix, fp32 and fp16, with and
+# without splits (the sink belongs to split 0 only; the window moves where the splits start).
+@pytest.mark.parametrize("feature,bs,group,dtype,name,splits", [
+    ("window", 8, 4, torch.float32, "prefix", 1),
+    ("window", 16, 1, torch.float16, "decode", 4),
+    ("window", 8, 2, torch.float32, "mixed", 2),
+    ("softcap", 8, 4, torch.float16, "mixed", 1),
+    ("softcap", 16, 2, torch.float32, "decode", 2),
+    ("sinks", 8, 2, torch.float32, "mixed", 1),
+    ("sinks", 16, 4, torch.float16, "decode", 4),
+    ("all", 8, 4, torch.float32, "mixed", 2),
+])
+def test_attention_features_match_reference(poisoned_workspace, feature, bs, group, dtype, name, splits):
+    q_lens, seq_lens = scenario(name, bs)
+    gen = torch.Generator().manual_seed(4)
+    b = random_paged_batch(q_lens, seq_lens, group * NUM_KV_HEADS, NUM_KV_HEADS, 32, bs,
+                           dtype=dtype, generator=gen)
+    b["q"] *= 3   # sharp scores: the cap and the window change the output visibly
+    kw = feature_kwargs(feature, group * NUM_KV_HEADS, bs, "cpu")
+    ref = paged_attention_ref(**b, **kw)
+    assert not torch.allclose(ref.float(), paged_attention_ref(**b).float(), atol=1e-2)
+    out = torch.full_like(b["q"], float("nan"))
+    paged_attention_triton(**b, out=out, num_splits=splits, **kw)
+    assert not out.isnan().any(), "some output elements were never written"
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_query_rows_past_batch_are_untouched():
     # A padded batch: rows after query_start_loc[-1] belong to no sequence and must keep their value.
     b = random_paged_batch([1, 3], [5, 20], 4, 2, 64, 16, generator=torch.Generator().manual_seed(1))
@@ -148,6 +188,20 @@ def test_cache_write_rejects_bad_slot_mapping():
 @needs_cuda
 def test_attention_matches_reference_gpu(bs, group, head_dim, dtype, name):
     run_attention(bs, group, head_dim, dtype, name, "cuda")
+
+
+@pytest.mark.parametrize("feature", ["window", "softcap", "sinks", "all"])
+@pytest.mark.gpu
+@needs_cuda
+def test_attention_features_gpu(feature):
+    gen = torch.Generator().manual_seed(7)
+    b = random_paged_batch([1, 300, 1, 40], [900, 1200, 64, 40], 32, 8, 128, 16, dtype=torch.bfloat16,
+                           device="cuda", generator=gen)
+    kw = feature_kwargs(feature, 32, 16, "cuda")
+    kw["sliding_window"] = kw.get("sliding_window") and 257
+    out = paged_attention_triton(**b, **kw)
+    torch.testing.assert_close(out.float(), paged_attention_ref(**b, **kw).float(),
+                               atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("splits", [2, 8, 16, None])

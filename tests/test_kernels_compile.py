@@ -26,6 +26,8 @@ ATTENTION_VARIANTS = [
     ("fp32", 32, 8, 128, 16, False, 1),   # fp32, Llama-3-8B heads
     ("fp32", 32, 8, 128, 16, True, 4),
 ]
+# Variants compiled again with every feature on (sliding window, soft-cap, sinks).
+FEATURE_VARIANTS = [ATTENTION_VARIANTS[1], ATTENTION_VARIANTS[2], ATTENTION_VARIANTS[6]]
 
 
 def _compile(fn, pointers: dict, scalars: dict, constexprs: dict, num_warps: int = 4) -> dict:
@@ -76,18 +78,20 @@ def compile_all():
     from kernels.triton_cache import _write_kv_kernel
     from kernels.triton_norm import _add_rms_norm_kernel, _rotary_kernel
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    for dt, hq, hkv, d, bs, decode, splits in ATTENTION_VARIANTS:
+    variants = [(v, False) for v in ATTENTION_VARIANTS] + [(v, True) for v in FEATURE_VARIANTS]
+    for (dt, hq, hkv, d, bs, decode, splits), features in variants:
         n_tok = 4 if decode else 64
         cfg = launch_config(n_tok, 4, hq, hkv, d, bs, dtypes[dt], True)
         warps = cfg.pop("num_warps")
         ptrs = dict(q=dt, k_cache=dt, v_cache=dt, block_tables="i32", seq_lens="i32", query_start_loc="i32",
-                    out=dt, part_acc="fp32", part_ml="fp32")
+                    out=dt, part_acc="fp32", part_ml="fp32", sinks="fp32")
         # q as a view into the fused QKV output, as the model passes it.
-        ints = dict(scale_log2=0.1, num_seqs=37, num_tokens=n_tok * 3 + 1, num_q_heads=hq,
+        ints = dict(scale_log2=0.1, window=4096, softcap=30.0, num_seqs=37, num_tokens=n_tok * 3 + 1, num_q_heads=hq,
                     stride_qt=(hq + 2 * hkv) * d, stride_qh=d, stride_ot=hq * d, stride_oh=d,
                     stride_cb=bs * hkv * d, stride_cs=hkv * d, stride_ch=d, stride_bt=129)
-        yield dict(_compile(_paged_attn_kernel, ptrs, ints, {**cfg, "NUM_SPLITS": splits}, warps),
-                   variant=[dt, hq, hkv, d, bs, decode, splits])
+        flags = dict(HAS_WINDOW=features, HAS_SOFTCAP=features, HAS_SINKS=features)
+        yield dict(_compile(_paged_attn_kernel, ptrs, ints, {**cfg, "NUM_SPLITS": splits, **flags}, warps),
+                   variant=[dt, hq, hkv, d, bs, decode, splits, features])
     ints = dict(num_tokens=7, num_q_heads=32, stride_ot=4096, stride_oh=128)
     yield _compile(_merge_splits_kernel, dict(part_acc="fp32", part_ml="fp32", out="bf16"), ints,
                    dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=8, HEADS_BLOCK=1), 1)
@@ -114,7 +118,7 @@ def test_kernels_compile_for_sm90_without_spills():
                           capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(results) >= len(ATTENTION_VARIANTS) + 4
+    assert len(results) >= len(ATTENTION_VARIANTS) + len(FEATURE_VARIANTS) + 4
     for r in results:
         assert r["local"] == 0 and r["stack"] == 0, f"register spills: {r}"
         assert r["shared"] <= 227 * 1024, f"too much shared memory for sm_90: {r}"
