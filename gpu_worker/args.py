@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eagerly")
+    p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
+                   help="native Llama-family code or transformers' modeling code (auto: native where it exists)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued beyond this are refused with RESOURCE_EXHAUSTED")
@@ -74,4 +76,4 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
                 max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, model_impl=args.model_impl)

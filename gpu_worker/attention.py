@@ -49,12 +49,19 @@ def select_backend(name: str, device: torch.device) -> tuple[Callable, Callable]
 
 
 class PagedAttention(nn.Module):
-    """Attention over the paged KV cache; holds this layer's cache views, not the pool itself."""
+    """Attention over the paged KV cache; holds this layer's cache views, not the pool itself.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    sliding_window / softcap / sinks: this layer's attention features (kernels/reference.py),
+    fixed per layer; forward's keywords override them per call (the transformers backend passes
+    what the modeling code asks for).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.sliding_window, self.softcap = sliding_window, softcap
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.write_fn, self.attend_fn = write_kv_cache_ref, paged_attention_ref
@@ -65,10 +72,16 @@ class PagedAttention(nn.Module):
         self.write_fn, self.attend_fn = write_fn, attend_fn
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+                meta: AttentionMetadata, **features) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. features: scale, sliding_window,
+        softcap, sinks for this call (default: the layer's)."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not allocated: call ModelRunner.allocate_kv_cache first")
         self.write_fn(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        scale = features.pop("scale", None) or self.scale
+        features.setdefault("sliding_window", self.sliding_window)
+        features.setdefault("softcap", self.softcap)
+        # Only features in use reach the kernel, so plain layers take the plain path.
+        used = {name: x for name, x in features.items() if isinstance(x, torch.Tensor) or x}
         return self.attend_fn(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                              meta.query_start_loc, self.scale, max_seq_len=meta.max_seq_len)
+                              meta.query_start_loc, scale, max_seq_len=meta.max_seq_len, **used)

@@ -41,6 +41,8 @@ class EngineConfig:
     max_waiting: int = 1024                     # queue bound; beyond it requests are refused
     enforce_eager: bool = False                 # no CUDA graphs for decode (CUDA only)
     tensor_parallel_size: int = 1               # ranks (GPUs) one model is split over
+    # auto: native where pagoda has the architecture, transformers' modeling code otherwise.
+    model_impl: str = "auto"                    # auto | native | transformers
 
     def __post_init__(self):
         if self.served_model_name is None:
@@ -53,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"device: must be cpu, cuda or auto (got {self.device!r})")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend: must be auto, torch or triton (got {self.attention_backend!r})")
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ValueError(f"model_impl: must be auto, native or transformers (got {self.model_impl!r})")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be at least 1 (got {self.max_num_seqs})")
         if (not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool)

@@ -1,8 +1,14 @@
-"""Load a Hugging Face checkpoint directory into a native model: config, dtype, safetensors weights.
+"""Load a Hugging Face checkpoint directory: config, dtype, and the model on one of two backends.
 
-HF names map onto ours by dropping the `model.` prefix; q/k/v and gate/up are stacked into the
-model's fused projections (LlamaForCausalLM.stacked_params). Every parameter must come from the
-checkpoint: the model is built on the meta device, so a missed one would be garbage, not random.
+Backends: "native" (gpu_worker.models, the Llama family with fused projections) where the
+architecture has one, else "transformers" (gpu_worker.models.transformers_backend: transformers'
+modeling code with attention on the paged pool); EngineConfig.model_impl forces either.
+Only decoder-only causal LMs are served; anything else is refused naming its architecture.
+
+Native weights: HF names map onto ours by dropping the `model.` prefix; q/k/v and gate/up are
+stacked into the model's fused projections (LlamaForCausalLM.stacked_params). Every parameter
+must come from the checkpoint: the model is built on the meta device, so a missed one would be
+garbage, not random.
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import os
 
 import torch
 
-from gpu_worker.models import model_class
+from gpu_worker.models import MODEL_REGISTRY, model_class
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +72,44 @@ def iter_weights(path: str, shard_of=None):
                 yield name, f.get_slice(name)[index]
 
 
-def load_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, shard=None) -> torch.nn.Module:
-    """Build the model on the meta device and load its weights (only `shard`'s slices, if given)."""
+def choose_backend(hf_config, model_impl: str = "auto") -> tuple[str, str]:
+    """(native | transformers, why) for a checkpoint; ValueError naming the architecture if
+    pagoda cannot serve it."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    name = archs[0] if archs else f"(none; model_type {hf_config.model_type})"
+    causal = [a for a in archs if a.endswith(("ForCausalLM", "LMHeadModel"))]
+    if (not causal or getattr(hf_config, "is_encoder_decoder", False)
+            or type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING):
+        raise ValueError(f"model: architecture {name} (model_type {hf_config.model_type}) is not a "
+                         "decoder-only causal LM; pagoda serves *ForCausalLM checkpoints")
+    native = any(a in MODEL_REGISTRY for a in archs)
+    if model_impl == "native":
+        if not native:
+            raise ValueError(f"model_impl: native has no implementation of {name} "
+                             f"(native: {', '.join(MODEL_REGISTRY)}); use auto or transformers")
+        return "native", "model_impl=native"
+    if model_impl == "transformers":
+        return "transformers", "model_impl=transformers"
+    if native:
+        return "native", f"{name} has a native implementation (fused projections, faster)"
+    return "transformers", f"no native implementation of {name}"
+
+
+def load_model(path: str, hf_config, device: torch.device, dtype: torch.dtype,
+               model_impl: str = "auto", shard=None) -> torch.nn.Module:
+    """Build the model on the meta device and load its weights (only `shard`'s slices, if given:
+    native models only)."""
     from gpu_worker.models.parallel import Shard, shard_slice, sharding
     shard = shard or Shard()
+    backend, why = choose_backend(hf_config, model_impl)
+    log.info("model %s: %s backend (%s)", getattr(hf_config, "architectures", None), backend, why)
+    if backend == "transformers":
+        if shard.size > 1:
+            raise ValueError(f"tensor_parallel_size: {shard.size} needs the native backend; "
+                             "the transformers backend runs on one rank")
+        from gpu_worker.models.transformers_backend import load_transformers_model
+        return load_transformers_model(path, hf_config, device, dtype)
     cls = model_class(hf_config)
     with torch.device("meta"), sharding(shard):
         model = cls(hf_config)

@@ -49,21 +49,17 @@ class ModelRunner:
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.vocab_size = int(self.hf_config.vocab_size)
+        # Sliding windows are applied exactly by the attention layers: the limit is the model's.
         limit = int(self.hf_config.max_position_embeddings)
-        window = self._sliding_window()
-        if window and window < limit:
-            # Attention here is always full; within the window that is exactly what the model does.
-            log.warning("sliding_window %d: serving at most %d tokens per sequence", window, window)
-            limit = window
         if config.max_model_len is not None and not 0 < config.max_model_len <= limit:
             raise ValueError(f"max_model_len: must be in [1, {limit}] for this checkpoint "
-                             f"(max_position_embeddings or sliding_window), got {config.max_model_len}")
+                             f"(max_position_embeddings), got {config.max_model_len}")
         self.max_model_len = config.max_model_len or limit
         self.eos_token_ids = self._eos_token_ids() if rank == 0 else []
         self.block_size = config.block_size
         if self.tp is not None:
             self.tp.join_group()
-        self.model = load_model(config.model, self.hf_config, self.device, self.dtype, self.shard)
+        self.model = load_model(config.model, self.hf_config, self.device, self.dtype, config.model_impl, self.shard)
         self.write_fn, self.attend_fn = select_backend(config.attention_backend, self.device)
         self.backend = resolve_backend(config.attention_backend, self.device)
         use_triton_ops(self.model, self.backend == "triton")
@@ -76,13 +72,6 @@ class ModelRunner:
         # Test hook: every step also sleeps this long (the GIL is released, as in a real
         # forward), so tests can show that the event loop never waits on a step.
         self.step_delay_s = float(os.environ.get("PAGODA_TEST_STEP_DELAY_S", "0") or 0)
-
-    def _sliding_window(self) -> int | None:
-        c = self.hf_config
-        window = getattr(c, "sliding_window", None)
-        if not window or (c.model_type != "mistral" and not getattr(c, "use_sliding_window", False)):
-            return None
-        return int(window)
 
     def _eos_token_ids(self) -> list[int]:
         ids: list[int] = []
@@ -219,7 +208,7 @@ class ModelRunner:
     def uses_graphs(self) -> bool:
         # Not with tensor parallelism (yet): every rank would have to capture its collectives too.
         return (self.device.type == "cuda" and self.backend == "triton" and not self.config.enforce_eager
-                and self.shard.size == 1)
+                and self.shard.size == 1 and getattr(self.model, "cuda_graphs_ok", True))
 
     def warmup_batch(self, step: WarmupStep) -> list[ScheduledRequest]:
         """A dummy step of this shape over the pool's first blocks (shared by every sequence;

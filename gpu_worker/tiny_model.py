@@ -1,17 +1,24 @@
-"""Small random Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3) with a real BPE tokenizer.
+"""Small random Hugging Face checkpoints of every family in the parity matrix, with a real BPE tokenizer.
+
+Native families (Llama, Mistral, Qwen2, Qwen3) and transformers-backend families (Gemma 2, Gemma 3
+text, Phi-3, OLMo 2, Granite, Mixtral, Qwen3-MoE). Each non-native family turns on what makes it
+different: Gemma 2 alternating sliding windows, attention and final soft-capping and
+query_pre_attn_scalar; Gemma 3 local/global rope and q/k norms; Granite's multipliers; the MoE
+families several experts with top-2 routing.
 
 Used by tests, `pagoda up` and `pagoda make-tiny-model`: a directory that transformers loads
 offline exactly like a real checkpoint (config.json, model.safetensors, generation_config.json,
 tokenizer.json, tokenizer_config.json with a ChatML chat template).
 
-Weights are drawn here with numpy (no torch or transformers import, so the CLI is quick) under
-HF's parameter names. Random tiny models have nearly flat logits, so greedy decoding would flip
+Weights are drawn here with numpy under HF's parameter names (for the native families without
+importing torch or transformers, so the default CLI is quick; the other families take their
+parameter names and shapes from transformers' model built on the meta device). Random tiny models have nearly flat logits, so greedy decoding would flip
 on rounding noise between implementations. Weights are drawn wider than usual and the final norm
 is scaled up so that top-1 margins are large; q/k weights are wider still so that attention is sharp (near
 uniform attention would hide rope and masking errors); norm weights and biases are randomised
 so that a loader that skips them produces visibly different logits.
 
-    python -m gpu_worker.tiny_model DIR [--family llama|mistral|qwen2|qwen3] [--seed N]
+    python -m gpu_worker.tiny_model DIR [--family F] [--seed N]
 """
 from __future__ import annotations
 
@@ -19,7 +26,11 @@ import argparse
 import json
 import os
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+TRANSFORMERS_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "mixtral", "qwen3_moe")
+FAMILIES = NATIVE_FAMILIES + TRANSFORMERS_FAMILIES
+# Gemma-style RMSNorm multiplies by (1 + weight).
+_NORM_PLUS_ONE = ("gemma2", "gemma3_text")
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -77,6 +88,36 @@ def family_config(family: str, vocab_size: int, special_ids: dict[str, int]) -> 
                     rope_theta=1000000.0, head_dim=32, attention_bias=False,
                     use_sliding_window=False, sliding_window=None, max_window_layers=2,
                     tie_word_embeddings=True)
+    # The Gemmas: one sliding-window layer, one global, with a window shorter than most prompts.
+    gemma = dict(head_dim=16, sliding_window=48, layer_types=["sliding_attention", "full_attention"],
+                 query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+    if family == "gemma2":
+        return dict(common, **gemma, model_type="gemma2", architectures=["Gemma2ForCausalLM"],
+                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    if family == "gemma3":
+        return dict(common, **gemma, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
+                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    if family == "phi3":
+        return dict(common, model_type="phi3", architectures=["Phi3ForCausalLM"], rope_theta=10000.0,
+                    original_max_position_embeddings=1024, tie_word_embeddings=False)
+    if family == "olmo2":
+        return dict(common, model_type="olmo2", architectures=["Olmo2ForCausalLM"], rope_theta=10000.0,
+                    tie_word_embeddings=False)
+    if family == "granite":
+        # Multipliers on embeddings, residuals, attention scores (the scale) and logits.
+        return dict(common, model_type="granite", architectures=["GraniteForCausalLM"], rope_theta=10000.0,
+                    embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                    logits_scaling=0.5, tie_word_embeddings=False)
+    if family == "mixtral":
+        return dict(common, model_type="mixtral", architectures=["MixtralForCausalLM"], rope_theta=1000000.0,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=None, head_dim=16,
+                    tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        return dict(common, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], rope_theta=1000000.0,
+                    head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                    sliding_window=None, tie_word_embeddings=False)
     raise ValueError(f"family: must be one of {', '.join(FAMILIES)} (got {family!r})")
 
 
@@ -147,6 +188,37 @@ def tiny_weights(cfg: dict, seed: int) -> dict:
     return w
 
 
+def transformers_weights(cfg: dict, seed: int) -> dict:
+    """Weights for any family, named and shaped by transformers' own model of `cfg` (built on the
+    meta device, so nothing is allocated), drawn by the same rules as tiny_weights."""
+    import numpy as np
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **fields))
+    rng = np.random.default_rng(seed)
+    plus_one = cfg["model_type"] in _NORM_PLUS_ONE
+    w = {}
+    for name, t in model.state_dict().items():
+        shape = tuple(t.shape)
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        if len(shape) == 1 and "norm" in name:
+            # Final norm x8 for peaked logits (module docstring); q/k norms x3 for sharp attention.
+            scale = 8.0 if name == "model.norm.weight" else 3.0 if ("q_norm" in name or "k_norm" in name) else 1.0
+            w[name] = (scale * (1.0 + 0.2 * rng.standard_normal(shape)) - plus_one).astype(np.float32)
+            continue
+        if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+            std = 0.3
+        elif name.endswith("mlp.gate.weight"):
+            std = 1.0   # decisive routing: no near-ties between experts
+        else:
+            std = 0.1
+        w[name] = (std * rng.standard_normal(shape)).astype(np.float32)
+    return w
+
+
 def make_tiny_model(path: str, family: str = "llama", seed: int = 0, **config_overrides) -> str:
     """Write a tiny random checkpoint of `family` into `path` (created) and return `path`."""
     if family not in FAMILIES:
@@ -154,13 +226,15 @@ def make_tiny_model(path: str, family: str = "llama", seed: int = 0, **config_ov
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    add_bos = family in ("llama", "mistral")   # as the real ones: Qwen adds no BOS
+    # As the real ones: Qwen, OLMo and Granite add no BOS.
+    add_bos = family in ("llama", "mistral", "gemma2", "gemma3", "phi3", "mixtral")
     tok = build_tokenizer(add_bos)
     special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     cfg = family_config(family, tok.get_vocab_size(), special_ids)
     cfg.update(config_overrides)
     _write_json(os.path.join(path, "config.json"), cfg)
-    save_file(tiny_weights(cfg, seed), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    weights = tiny_weights(cfg, seed) if family in NATIVE_FAMILIES else transformers_weights(cfg, seed)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
     tok.save(os.path.join(path, "tokenizer.json"))
     tok_config = {

@@ -191,15 +191,17 @@ def test_backend_dispatch():
         select_backend("cuda-graphs", cpu)
 
 
-def test_sliding_window_caps_max_model_len(tiny_model_factory):
+def test_sliding_windows_are_per_layer_and_do_not_cap_length(tiny_model_factory):
     path = tiny_model_factory("mistral", seed=1, sliding_window=256)
     r = ModelRunner(EngineConfig(model=path, device="cpu"))
-    assert r.max_model_len == 256
-    with pytest.raises(ValueError, match="max_model_len"):
-        ModelRunner(EngineConfig(model=path, device="cpu", max_model_len=300))
-    # Qwen2 declares a window but does not use it unless use_sliding_window is set.
+    assert r.max_model_len == 1024   # the window is applied, not used as a length cap
+    assert [a.sliding_window for a in r.model.attention_layers()] == [256, 256]
+    # Qwen2 declares a window but uses it only with use_sliding_window, on layers from max_window_layers.
     q = ModelRunner(EngineConfig(model=tiny_model_factory("qwen2", seed=1, sliding_window=256), device="cpu"))
-    assert q.max_model_len == 1024
+    assert [a.sliding_window for a in q.model.attention_layers()] == [None, None]
+    q = ModelRunner(EngineConfig(model=tiny_model_factory("qwen2", seed=1, sliding_window=256, use_sliding_window=True,
+                                                          max_window_layers=1), device="cpu"))
+    assert [a.sliding_window for a in q.model.attention_layers()] == [None, 256]
 
 
 def test_bad_checkpoints_are_named(tiny_model, tmp_path):

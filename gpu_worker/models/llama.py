@@ -2,7 +2,8 @@
 
 One implementation with the family differences as flags read from the HF config: q/k/v bias
 (Qwen2, or attention_bias), per-head q/k RMSNorm (Qwen3), explicit head_dim, tied embeddings,
-and rope_theta / rope scaling (default, linear, llama3). Inputs are flat token rows [T] with
+rope_theta / rope scaling (default, linear, llama3), and per-layer sliding windows (Mistral,
+Qwen2/3 with use_sliding_window). Inputs are flat token rows [T] with
 their positions; attention goes through the paged KV cache (gpu_worker.attention).
 
 q/k/v and gate/up are fused into one matmul each; the loader stacks the HF weights to match.
@@ -117,8 +118,19 @@ class RotaryEmbedding(nn.Module):
         return rotary_ref(positions, q, k, cos, sin)
 
 
+def layer_sliding_window(cfg, layer: int) -> int | None:
+    """The window of layer `layer` as transformers applies it: the config's sliding_window on
+    layers that layer_types marks "sliding_attention" (all layers when it has no layer_types:
+    Mistral); None when the config has no window (Qwen2/3 set it to None unless use_sliding_window)."""
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if not window or (types and types[layer] != "sliding_attention"):
+        return None
+    return int(window)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding):
+    def __init__(self, cfg, rotary: RotaryEmbedding, layer: int):
         super().__init__()
         # This rank's heads (all of them without tensor parallelism).
         self.num_heads, self.num_kv_heads = local_heads(cfg, current_shard())
@@ -134,7 +146,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                   sliding_window=layer_sliding_window(cfg, layer))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -164,9 +177,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding):
+    def __init__(self, cfg, rotary: RotaryEmbedding, layer: int):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -194,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
         self.shard = current_shard()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
