@@ -10,14 +10,14 @@ from gpu_worker.args import build_parser
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
+    if os.path.isdir(args.model) and not os.path.isfile(os.path.join(args.model, "config.json")):
         parser.error(f"--model: {args.model!r} is not a checkpoint directory (no config.json)")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from gpu_worker.server import serve
     try:
         return asyncio.run(serve(args))
-    except ValueError as e:     # a bad flag value found by the engine config: say which, no traceback
+    except ValueError as e:     # a bad flag value or model found by the engine: say which, no traceback
         logging.getLogger("gpu_worker").error("%s", e)
         return 2
 

@@ -12,7 +12,9 @@ import socket
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagoda worker", description="Serve one model over gRPC (pagoda.v1).")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face checkpoint directory, or a hub id (downloaded into the HF cache; HF_TOKEN honoured)")
+    p.add_argument("--revision", default=None, help="hub ids: branch, tag or commit to load (default: main)")
     p.add_argument("--served-model-name", default=None, help="name clients ask for (default: the directory's name)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
@@ -70,7 +72,7 @@ def advertise_address(args: argparse.Namespace) -> str:
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig keywords these flags set (the caller builds the config, importing the engine)."""
-    return dict(model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
+    return dict(model=args.model, revision=args.revision, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

@@ -22,7 +22,8 @@ def parse_bytes(value: int | str) -> int:
 
 @dataclass
 class EngineConfig:
-    model: str                                  # Hugging Face checkpoint directory
+    model: str                                  # Hugging Face checkpoint directory or hub id
+    revision: Optional[str] = None              # hub ids: branch, tag or commit (default main)
     served_model_name: Optional[str] = None     # defaults to the directory's name
     device: str = "auto"                        # cpu | cuda | auto
     dtype: str = "auto"                         # auto: float32 on CPU, bfloat16 on CUDA

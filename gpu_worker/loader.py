@@ -5,6 +5,10 @@ architecture has one, else "transformers" (gpu_worker.models.transformers_backen
 modeling code with attention on the paged pool); EngineConfig.model_impl forces either.
 Only decoder-only causal LMs are served; anything else is refused naming its architecture.
 
+Sources (resolve_model): a local checkpoint directory, or a Hugging Face hub id fetched through
+huggingface_hub into its usual cache (HF_HOME / HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE
+honoured, revision pinnable); a snapshot already in the cache loads offline.
+
 Native weights: HF names map onto ours by dropping the `model.` prefix; q/k/v and gate/up are
 stacked into the model's fused projections (LlamaForCausalLM.stacked_params). Every parameter
 must come from the checkpoint: the model is built on the meta device, so a missed one would be
@@ -35,6 +39,38 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16 (got {name!r})")
     return _DTYPES[name]
+
+
+# What a checkpoint needs: config, generation config, tokenizer files and safetensors weights
+# (not .bin/.pth duplicates, which double the download).
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+
+
+def resolve_model(model: str, revision: str | None = None) -> str:
+    """The local checkpoint directory for --model: the directory itself, or a hub id's snapshot."""
+    if os.path.isdir(model):
+        return model
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ValueError(f"model: {model!r} is not a directory (pass --model a checkpoint directory or a hub id)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+    at = f"{model}@{revision}" if revision else model
+    try:
+        return snapshot_download(model, revision=revision, allow_patterns=_HUB_PATTERNS)
+    except GatedRepoError:
+        raise ValueError(f"model: {at} is gated on the hub; set HF_TOKEN to a token with access, "
+                         "or pass --model a local directory") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"model: revision {revision!r} of {model} does not exist on the hub (--revision)") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model: {at} is neither a local directory nor a hub repository "
+                         "(private? set HF_TOKEN); pass --model a checkpoint directory or hub id") from None
+    except LocalEntryNotFoundError:
+        raise ValueError(f"model: {at} is not a local directory, not in the Hugging Face cache, and "
+                         "the hub cannot be reached (offline); pass --model a checkpoint directory") from None
+    except HFValidationError:
+        raise ValueError(f"model: {model!r} is neither a directory nor a valid hub id (--model)") from None
 
 
 def load_hf_config(path: str):

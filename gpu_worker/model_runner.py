@@ -18,7 +18,7 @@ from gpu_worker import distributed
 from gpu_worker.attention import AttentionMetadata, resolve_backend, select_backend
 from gpu_worker.config import EngineConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
-from gpu_worker.loader import load_hf_config, load_model, resolve_dtype
+from gpu_worker.loader import load_hf_config, load_model, resolve_dtype, resolve_model
 from gpu_worker.memory import cuda_graph_bytes, kv_budget_bytes, sampler_workspace_bytes
 from gpu_worker.models.llama import use_triton_ops
 from gpu_worker.models.parallel import Shard, check_tensor_parallel
@@ -38,7 +38,9 @@ class ModelRunner:
         self.shard = Shard(rank, config.tensor_parallel_size)
         self.device = distributed.local_device(config.resolved_device(), rank, self.shard.size)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.hf_config = hf_config or load_hf_config(config.model)
+        # A hub id resolves to its snapshot in the HF cache (downloaded once, by rank 0 first).
+        self.model_path = resolve_model(config.model, config.revision)
+        self.hf_config = hf_config or load_hf_config(self.model_path)
         check_tensor_parallel(self.hf_config, self.shard.size, self.device.type)
         self.tp: distributed.TensorParallel | None = None
         if rank == 0 and self.shard.size > 1:
@@ -47,7 +49,7 @@ class ModelRunner:
             weakref.finalize(self, self.tp.close)
         if rank == 0:    # other ranks never tokenize (nor import transformers' tokenizers)
             from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.vocab_size = int(self.hf_config.vocab_size)
         # Sliding windows are applied exactly by the attention layers: the limit is the model's.
         limit = int(self.hf_config.max_position_embeddings)
@@ -59,7 +61,8 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.tp is not None:
             self.tp.join_group()
-        self.model = load_model(config.model, self.hf_config, self.device, self.dtype, config.model_impl, self.shard)
+        self.model = load_model(self.model_path, self.hf_config, self.device, self.dtype, self.shard,
+                                model_impl=config.model_impl)
         self.write_fn, self.attend_fn = select_backend(config.attention_backend, self.device)
         self.backend = resolve_backend(config.attention_backend, self.device)
         use_triton_ops(self.model, self.backend == "triton")
@@ -79,7 +82,7 @@ class ModelRunner:
             ids.append(int(self.tokenizer.eos_token_id))
         try:
             from transformers import GenerationConfig
-            gen_eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+            gen_eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
         except OSError:
             gen_eos = None
         if gen_eos is None:

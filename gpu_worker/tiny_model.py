@@ -29,6 +29,8 @@ import os
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 TRANSFORMERS_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "mixtral", "qwen3_moe")
 FAMILIES = NATIVE_FAMILIES + TRANSFORMERS_FAMILIES
+# As the real ones: Qwen, OLMo and Granite add no BOS.
+BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3", "phi3", "mixtral")
 # Gemma-style RMSNorm multiplies by (1 + weight).
 _NORM_PLUS_ONE = ("gemma2", "gemma3_text")
 
@@ -90,7 +92,7 @@ def family_config(family: str, vocab_size: int, special_ids: dict[str, int]) -> 
                     tie_word_embeddings=True)
     # The Gemmas: one sliding-window layer, one global, with a window shorter than most prompts.
     gemma = dict(head_dim=16, sliding_window=48, layer_types=["sliding_attention", "full_attention"],
-                 query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+                 query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=False)
     if family == "gemma2":
         return dict(common, **gemma, model_type="gemma2", architectures=["Gemma2ForCausalLM"],
                     attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
@@ -211,6 +213,10 @@ def transformers_weights(cfg: dict, seed: int) -> dict:
             continue
         if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
             std = 0.3
+        elif name == "model.embed_tokens.weight" and plus_one:
+            # Gemma multiplies embeddings by sqrt(hidden): undo it, or the input token's own
+            # embedding dominates the residual stream and greedy text repeats it.
+            std = 0.1 / cfg["hidden_size"] ** 0.5
         elif name.endswith("mlp.gate.weight"):
             std = 1.0   # decisive routing: no near-ties between experts
         else:
@@ -226,8 +232,7 @@ def make_tiny_model(path: str, family: str = "llama", seed: int = 0, **config_ov
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    # As the real ones: Qwen, OLMo and Granite add no BOS.
-    add_bos = family in ("llama", "mistral", "gemma2", "gemma3", "phi3", "mixtral")
+    add_bos = family in BOS_FAMILIES
     tok = build_tokenizer(add_bos)
     special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     cfg = family_config(family, tok.get_vocab_size(), special_ids)

@@ -1,4 +1,4 @@
-"""Smoke tests: bench/engine.py and bench/prefix.py --quick still run end to end and report
+"""Smoke tests: bench/engine.py, bench/prefix.py and bench/backends.py --quick still run end to end and report
 sane figures (the recorded numbers live in bench/RESULTS.md, not here)."""
 import os
 import subprocess
@@ -63,3 +63,10 @@ def test_prefix_quick(tmp_path):
             assert pct(r["prefix hit rate"]) == 0
     # Every request after the first finds the 128-token system prompt cached.
     assert pct(rows[("sequential", "on")]["prefix hit rate"]) > 50
+
+
+@pytest.mark.timeout(90)
+def test_backends_quick(tmp_path):
+    out = run_script("backends.py", "--model-dir", str(tmp_path / "model"), "--requests", "2", "--rounds", "1")
+    ratio = [ln for ln in out.splitlines() if ln.startswith("native / transformers:")]
+    assert len(ratio) == 1 and float(ratio[0].split()[-1].rstrip("x")) > 0

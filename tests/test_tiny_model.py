@@ -9,7 +9,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from gpu_worker.tiny_model import FAMILIES, make_tiny_model
+from gpu_worker.tiny_model import BOS_FAMILIES, FAMILIES, make_tiny_model
 
 TEXTS = ["The quick brown fox", "héllo wörld 東京 🚀 Привет", "def f(x):\n    return x * 2\n",
          "Once upon a time", "  leading spaces and\ttabs", "User: What is 2+2?"]
@@ -21,7 +21,7 @@ def test_transformers_loads_every_family(tiny_model_factory, family):
     with open(os.path.join(path, "config.json")) as f:
         written = json.load(f)
     config = transformers.AutoConfig.from_pretrained(path)
-    assert config.model_type == written["model_type"] == family
+    assert config.model_type == written["model_type"] == {"gemma3": "gemma3_text"}.get(family, family)
     assert written["architectures"] == [type(transformers.AutoModelForCausalLM.from_config(config)).__name__]
     assert config.num_key_value_heads < config.num_attention_heads       # GQA
     model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
@@ -45,7 +45,7 @@ def test_tokenizer_round_trips_and_matches_tokenizer_json(tiny_model_factory, fa
         ids = hf.encode(text)
         assert ids == raw.encode(text).ids
         assert hf.decode(ids, skip_special_tokens=True) == text
-        assert (ids[0] == hf.bos_token_id) == (family in ("llama", "mistral"))
+        assert (ids[0] == hf.bos_token_id) == (family in BOS_FAMILIES)
     # Multi-byte characters span several byte-level tokens.
     assert len(hf.encode("東", add_special_tokens=False)) > 1
 
@@ -95,8 +95,10 @@ def test_position_and_context_matter(tiny_model):
     assert (base - shifted).abs().max() > 0.1
 
 
-def test_logits_are_peaked(tiny_model):
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_are_peaked(tiny_model_factory, family):
+    path = tiny_model_factory(family)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     x = torch.randint(5, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         top2 = model(x).logits.topk(2, dim=-1).values
