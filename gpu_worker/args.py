@@ -72,7 +72,8 @@ def advertise_address(args: argparse.Namespace) -> str:
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig keywords these flags set (the caller builds the config, importing the engine)."""
-    return dict(model=args.model, revision=args.revision, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
+    return dict(model=args.model, revision=args.revision, served_model_name=args.served_model_name,
+                device=args.device, dtype=args.dtype,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

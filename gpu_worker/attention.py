@@ -7,7 +7,7 @@ lazily), "auto" Triton on CUDA and torch elsewhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -82,6 +82,6 @@ class PagedAttention(nn.Module):
         features.setdefault("sliding_window", self.sliding_window)
         features.setdefault("softcap", self.softcap)
         # Only features in use reach the kernel, so plain layers take the plain path.
-        used = {name: x for name, x in features.items() if isinstance(x, torch.Tensor) or x}
+        used: dict[str, Any] = {name: x for name, x in features.items() if isinstance(x, torch.Tensor) or x}
         return self.attend_fn(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                               meta.query_start_loc, scale, max_seq_len=meta.max_seq_len, **used)

@@ -53,8 +53,13 @@ def resolve_model(model: str, revision: str | None = None) -> str:
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ValueError(f"model: {model!r} is not a directory (pass --model a checkpoint directory or a hub id)")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
     at = f"{model}@{revision}" if revision else model
     try:
         return snapshot_download(model, revision=revision, allow_patterns=_HUB_PATTERNS)
@@ -132,8 +137,8 @@ def choose_backend(hf_config, model_impl: str = "auto") -> tuple[str, str]:
     return "transformers", f"no native implementation of {name}"
 
 
-def load_model(path: str, hf_config, device: torch.device, dtype: torch.dtype,
-               model_impl: str = "auto", shard=None) -> torch.nn.Module:
+def load_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, shard=None,
+               model_impl: str = "auto") -> torch.nn.Module:
     """Build the model on the meta device and load its weights (only `shard`'s slices, if given:
     native models only)."""
     from gpu_worker.models.parallel import Shard, shard_slice, sharding

@@ -12,9 +12,10 @@ tokenizer.json, tokenizer_config.json with a ChatML chat template).
 
 Weights are drawn here with numpy under HF's parameter names (for the native families without
 importing torch or transformers, so the default CLI is quick; the other families take their
-parameter names and shapes from transformers' model built on the meta device). Random tiny models have nearly flat logits, so greedy decoding would flip
-on rounding noise between implementations. Weights are drawn wider than usual and the final norm
-is scaled up so that top-1 margins are large; q/k weights are wider still so that attention is sharp (near
+parameter names and shapes from transformers' model built on the meta device). Random tiny
+models have nearly flat logits, so greedy decoding would flip on rounding noise between
+implementations. Weights are drawn wider than usual and the final norm is scaled up so that
+top-1 margins are large; q/k weights are wider still so that attention is sharp (near
 uniform attention would hide rope and masking errors); norm weights and biases are randomised
 so that a loader that skips them produces visibly different logits.
 

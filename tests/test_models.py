@@ -282,3 +282,25 @@ def test_triton_backend_matches_torch_under_interpreter(tiny_model_factory):
     res = subprocess.run([sys.executable, "-c", _TRITON_TWIN, tiny_model_factory("qwen3")], env=env,
                          capture_output=True, text=True, timeout=240)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+def test_paged_attention_layer_passes_features_to_the_kernel():
+    """Layer defaults (window, cap) and per-call keywords (scale, sinks) reach the attention
+    function; a layer with none takes the plain path."""
+    from gpu_worker.attention import AttentionMetadata, PagedAttention
+    from kernels.reference import paged_attention_ref, random_paged_batch
+    gen = torch.Generator().manual_seed(3)
+    b = random_paged_batch([3, 1], [20, 9], 4, 2, 16, 8, generator=gen)
+    meta = AttentionMetadata(slot_mapping=torch.full((4,), -1, dtype=torch.int64), block_tables=b["block_tables"],
+                             seq_lens=b["seq_lens"], query_start_loc=b["query_start_loc"])
+    kv = torch.zeros(4, 2, 16)
+    sinks = torch.randn(4, generator=gen)
+    plain = PagedAttention(4, 2, 16, 0.25)
+    plain.bind(b["k_cache"], b["v_cache"], lambda *a: None, paged_attention_ref)
+    args = (b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"])
+    torch.testing.assert_close(plain(b["q"], kv, kv, meta), paged_attention_ref(*args, 0.25))
+    layer = PagedAttention(4, 2, 16, 0.25, sliding_window=5, softcap=2.0)
+    layer.bind(b["k_cache"], b["v_cache"], lambda *a: None, paged_attention_ref)
+    expected = paged_attention_ref(*args, 0.5, sliding_window=5, softcap=2.0, sinks=sinks)
+    torch.testing.assert_close(layer(b["q"], kv, kv, meta, scale=0.5, sinks=sinks), expected)
+    assert not torch.allclose(expected, paged_attention_ref(*args, 0.5))

@@ -17,6 +17,7 @@ the modeling code passes our metadata no further than its own signature allows.
 from __future__ import annotations
 
 import contextlib
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +39,11 @@ def pagoda_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if _step is None:
         raise RuntimeError("pagoda attention called outside TransformersForCausalLM.forward")
     meta, layers = _step
-    layer = layers[module.layer_idx]
+    index: int = getattr(module, "layer_idx")   # getattr: typed as a Module attribute otherwise
+    layer = cast(PagedAttention, layers[index])
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     if k.shape[1:] != (layer.num_kv_heads, layer.head_dim):
-        raise ValueError(f"model: layer {module.layer_idx} has K/V of shape {tuple(k.shape[1:])}, "
+        raise ValueError(f"model: layer {index} has K/V of shape {tuple(k.shape[1:])}, "
                          f"the pool holds {(layer.num_kv_heads, layer.head_dim)} per token")
     out = layer(q, k, v, meta, scale=scaling, sliding_window=sliding_window, softcap=softcap, sinks=s_aux)
     return out.unsqueeze(0), None
@@ -75,7 +77,7 @@ class TransformersForCausalLM(nn.Module):
     # token counts), which a CUDA graph cannot capture: decode runs eagerly.
     cuda_graphs_ok = False
 
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: Any):
         super().__init__()
         self.hf = hf_model
         cfg = text_config(hf_model.config)
@@ -99,10 +101,10 @@ class TransformersForCausalLM(nn.Module):
         return self._post(logits).float()
 
     def attention_layers(self) -> list[PagedAttention]:
-        return list(self.paged)
+        return cast(list[PagedAttention], list(self.paged))
 
 
-def logits_post_processing(hf_model: nn.Module, cfg):
+def logits_post_processing(hf_model: Any, cfg):
     """What the CausalLM heads of transformers do to logits after lm_head, by config field:
     Granite divides by logits_scaling, Cohere multiplies by logit_scale, Gemma 2/3 soft-cap."""
     head = hf_model.get_output_embeddings()
@@ -126,8 +128,12 @@ def logits_post_processing(hf_model: nn.Module, cfg):
 
 def load_transformers_model(path: str, hf_config, device: torch.device,
                             dtype: torch.dtype) -> TransformersForCausalLM:
-    from transformers import AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
+    cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    if not getattr(cls, "_supports_attention_backend", False):
+        raise ValueError(f"model: {cls.__name__}'s modeling code does not route attention through "
+                         "transformers' attention interface, so its KV cannot be paged")
     register()
-    hf_model = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=dtype,
-                                                    attn_implementation=ATTN_IMPLEMENTATION)
+    hf_model: Any = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=dtype,
+                                                         attn_implementation=ATTN_IMPLEMENTATION)
     return TransformersForCausalLM(hf_model.to(device).eval())
