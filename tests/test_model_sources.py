@@ -97,3 +97,13 @@ def test_backend_choice(tiny_model_factory, caplog):
     with caplog.at_level("INFO", logger="gpu_worker.loader"):
         ModelRunner(EngineConfig(model=tiny_model_factory("gemma2"), device="cpu"))
     assert "transformers backend (no native implementation of Gemma2ForCausalLM)" in caplog.text
+
+
+def test_transformers_backend_never_captures_cuda_graphs(tiny_model_factory):
+    """Modeling code may sync with the host mid-forward (MoE routing), which a graph cannot hold:
+    a runner that would capture for the native model stays eager for the transformers one."""
+    import torch
+    for impl, graphed in (("native", True), ("transformers", False)):
+        r = ModelRunner(EngineConfig(model=tiny_model_factory("llama"), device="cpu", model_impl=impl))
+        r.device, r.backend = torch.device("cuda"), "triton"   # as on a GPU host, without one
+        assert r.uses_graphs() == graphed, impl
