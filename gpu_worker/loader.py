@@ -116,12 +116,13 @@ def iter_weights(path: str, shard_of=None):
 def choose_backend(hf_config, model_impl: str = "auto") -> tuple[str, str]:
     """(native | transformers, why) for a checkpoint; ValueError naming the architecture if
     pagoda cannot serve it."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    # By model_type, not config class: tensor-parallel ranks get the config as a plain namespace.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     archs = list(getattr(hf_config, "architectures", None) or [])
     name = archs[0] if archs else f"(none; model_type {hf_config.model_type})"
     causal = [a for a in archs if a.endswith(("ForCausalLM", "LMHeadModel"))]
     if (not causal or getattr(hf_config, "is_encoder_decoder", False)
-            or type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING):
+            or hf_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         raise ValueError(f"model: architecture {name} (model_type {hf_config.model_type}) is not a "
                          "decoder-only causal LM; pagoda serves *ForCausalLM checkpoints")
     native = any(a in MODEL_REGISTRY for a in archs)
