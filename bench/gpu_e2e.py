@@ -54,9 +54,10 @@ def make_checkpoint(path: str, shape: str) -> str:
     return path
 
 
-def random_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, shard=None) -> torch.nn.Module:
+def random_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, shard=None,
+                 model_impl: str = "auto") -> torch.nn.Module:
     """Stands in for gpu_worker.loader.load_model: the real module tree (this rank's shard of it
-    under tensor parallelism), random weights on device."""
+    under tensor parallelism; always the native model), random weights on device."""
     from gpu_worker.models import model_class
     from gpu_worker.models.parallel import Shard, sharding
     with torch.device("meta"), sharding(shard or Shard()):
