@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eagerly")
     p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
                    help="native Llama-family code or transformers' modeling code (auto: native where it exists)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="fp8: e4m3 K/V with per-tensor scales, half the memory of bf16")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued beyond this are refused with RESOURCE_EXHAUSTED")
@@ -79,4 +81,5 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
                 max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
-                tensor_parallel_size=args.tensor_parallel_size, model_impl=args.model_impl)
+                tensor_parallel_size=args.tensor_parallel_size, model_impl=args.model_impl,
+                kv_cache_dtype=args.kv_cache_dtype)

@@ -65,6 +65,8 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.write_fn, self.attend_fn = write_kv_cache_ref, paged_attention_ref
+        # Per-tensor scales of an fp8 cache (kernels/fp8.py); 1.0 without calibration data.
+        self.k_scale = self.v_scale = 1.0
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
              write_fn: Callable, attend_fn: Callable) -> None:
@@ -77,11 +79,13 @@ class PagedAttention(nn.Module):
         softcap, sinks for this call (default: the layer's)."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not allocated: call ModelRunner.allocate_kv_cache first")
-        self.write_fn(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        self.write_fn(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale,
+                      v_scale=self.v_scale)
         scale = features.pop("scale", None) or self.scale
         features.setdefault("sliding_window", self.sliding_window)
         features.setdefault("softcap", self.softcap)
         # Only features in use reach the kernel, so plain layers take the plain path.
         used: dict[str, Any] = {name: x for name, x in features.items() if isinstance(x, torch.Tensor) or x}
         return self.attend_fn(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                              meta.query_start_loc, scale, max_seq_len=meta.max_seq_len, **used)
+                              meta.query_start_loc, scale, max_seq_len=meta.max_seq_len,
+                              k_scale=self.k_scale, v_scale=self.v_scale, **used)

@@ -44,6 +44,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1               # ranks (GPUs) one model is split over
     # auto: native where pagoda has the architecture, transformers' modeling code otherwise.
     model_impl: str = "auto"                    # auto | native | transformers
+    kv_cache_dtype: str = "auto"                # auto (the model's) | fp8 (e4m3, for CUDA)
 
     def __post_init__(self):
         if self.served_model_name is None:
@@ -58,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend: must be auto, torch or triton (got {self.attention_backend!r})")
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ValueError(f"model_impl: must be auto, native or transformers (got {self.model_impl!r})")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype: must be auto or fp8 (got {self.kv_cache_dtype!r})")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be at least 1 (got {self.max_num_seqs})")
         if (not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool)

@@ -26,6 +26,7 @@ from gpu_worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOut
 from gpu_worker.sampler import Sampler, SamplingRow
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.warmup import WarmupStep, warmup_plan
+from kernels.fp8 import kv_cache_dtype
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class ModelRunner:
         self.shard = Shard(rank, config.tensor_parallel_size)
         self.device = distributed.local_device(config.resolved_device(), rank, self.shard.size)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # A hub id resolves to its snapshot in the HF cache (downloaded once, by rank 0 first).
         self.model_path = resolve_model(config.model, config.revision)
         self.hf_config = hf_config or load_hf_config(self.model_path)
@@ -95,7 +97,7 @@ class ModelRunner:
     # ---- memory -------------------------------------------------------------------------
 
     def bytes_per_block(self) -> int:
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def close(self) -> None:
@@ -192,7 +194,7 @@ class ModelRunner:
         start = time.perf_counter()
         attn = self.model.attention_layers()[0]
         block_n = launch_config(1, 1, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.block_size,
-                                self.dtype, True)["BLOCK_N"]
+                                self.kv_dtype, True)["BLOCK_N"]
         plan = warmup_plan(self.config.max_num_seqs, self.max_model_len, self.max_num_batched_tokens(),
                            attn.num_kv_heads, _num_sms(self.device.index or 0), block_n)
         for step in plan:
@@ -232,8 +234,8 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = []
         for layer in self.model.attention_layers():
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             layer.bind(k, v, self.write_fn, self.attend_fn)
             self.kv_caches.append((k, v))
 

@@ -20,14 +20,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+
 
 def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value [T, Hkv, D] into the paged caches at slot_mapping [T]."""
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> None:
+    """Scatter key/value [T, Hkv, D] into the paged caches at slot_mapping [T] (fp8 caches:
+    quantised with the per-tensor scales, kernels/fp8.py)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
+    if k_cache.dtype == FP8_DTYPE:
+        k_cache[blocks, offsets] = quantize_fp8(key[keep], k_scale)
+        v_cache[blocks, offsets] = quantize_fp8(value[keep], v_scale)
+        return
     k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
 
@@ -45,7 +53,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         query_start_loc: torch.Tensor, scale: float,
                         out: torch.Tensor | None = None, *, max_seq_len: int | None = None,
                         sliding_window: int | None = None, softcap: float | None = None,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's paged KV; returns [T, Hq, D].
 
     max_seq_len: accepted for the kernels' contract (a split-KV hint); lengths come from seq_lens.
@@ -56,6 +65,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     if out is None:
         out = torch.empty_like(q)
+    if k_cache.dtype == FP8_DTYPE:  # the oracle dequantises whole pools: simple, not fast
+        k_cache, v_cache = dequantize_fp8(k_cache, k_scale), dequantize_fp8(v_cache, v_scale)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     gqa = q.shape[1] != k_cache.shape[2]

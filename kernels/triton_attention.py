@@ -38,12 +38,12 @@ STEP_VARYING = ("num_seqs", "num_tokens", "stride_bt")
 @triton.jit(do_not_specialize=STEP_VARYING)
 def _paged_attn_kernel(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_ml,
-        scale_log2, window, softcap, sinks, num_seqs, num_tokens, num_q_heads,
+        scale_log2, v_scale, window, softcap, sinks, num_seqs, num_tokens, num_q_heads,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
+        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8_KV: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -76,7 +76,10 @@ def _paged_attn_kernel(
     t_idx = (q_begin + tok).to(tl.int64)
     q_tile = tl.load(q + t_idx[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                      mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q_tile = q_tile.to(k_cache.dtype.element_ty)
+    # fp8 K/V are converted to q's dtype (exact): the K scale is folded into scale_log2, V's into
+    # the output (kernels/fp8.py).
+    if not FP8_KV:
+        q_tile = q_tile.to(k_cache.dtype.element_ty)
 
     # Keys this tile can see end at its last token's position.
     kv_end = tl.minimum(seq_len, ctx_len + q_tok0 + BLOCK_Q)
@@ -109,7 +112,7 @@ def _paged_attn_kernel(
         blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         kv_off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q_tile.dtype)
         s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         if HAS_SOFTCAP:
             # c * tanh(x / c) in natural units (scale_log2 carries log2 e): tanh(y) = 1 - 2 / (e^2y + 1).
@@ -123,11 +126,13 @@ def _paged_attn_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q_tile.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
     store_mask = row_ok[:, None] & d_ok[None, :]
+    if FP8_KV:
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         o = acc / l_i[:, None]
         tl.store(out + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -222,7 +227,7 @@ def launch_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads
         block_n = (32 if fp32 and not decode else 64) if on_cuda else max(16, min(32, block_size))
     return dict(BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
                 HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-                DOT_PREC="ieee" if fp32 else "tf32",
+                DOT_PREC="ieee" if fp32 else "tf32", FP8_KV=cache_dtype == torch.float8_e4m3fn,
                 num_warps=8 if fp32 or block_q * group_pad >= 128 else 4)
 
 
@@ -232,14 +237,16 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None, *, num_splits: int | None = None,
                            max_seq_len: int | None = None, block_n: int | None = None,
                            sliding_window: int | None = None, softcap: float | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's paged KV; returns out [T, Hq, D].
 
     sliding_window / softcap / sinks as in kernels.reference.paged_attention_ref.
 
     Optional, keyword only: num_splits forces the split-KV segment count (default: chosen from
     the batch shape and the GPU's SM count); max_seq_len, if the caller knows it, keeps short
-    contexts from being split; block_n overrides the key tile (for tuning).
+    contexts from being split; block_n overrides the key tile (for tuning); k_scale/v_scale
+    dequantise an fp8 cache (kernels/fp8.py).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -265,7 +272,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_warps = cfg.pop("num_warps")
     for_tensor(_paged_attn_kernel, q)[(num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_ml,
-        scale * _LOG2E, int(sliding_window or 0), float(softcap or 0.0),
+        scale * k_scale * _LOG2E, v_scale, int(sliding_window or 0), float(softcap or 0.0),
         sinks if sinks is not None else q, num_seqs, num_tokens, num_q_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

@@ -17,8 +17,8 @@ from kernels.launch import for_tensor
 def _write_kv_kernel(key, value, k_cache, v_cache, slot_mapping,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
-                     block_size, num_kv_heads,
-                     HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, D_PAD: tl.constexpr):
+                     block_size, num_kv_heads, k_scale, v_scale,
+                     HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr):
     # One program per token moves all its heads: a token's K (or V) row is one contiguous
     # Hkv * D run in the cache, so the store is a single coalesced burst.
     t = tl.program_id(0).to(tl.int64)
@@ -32,14 +32,19 @@ def _write_kv_kernel(key, value, k_cache, v_cache, slot_mapping,
     mask = (h < num_kv_heads) & (d < HEAD_DIM)
     dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
     k = tl.load(key + t * stride_kt + h * stride_kh + d, mask=mask)
-    tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
     v = tl.load(value + t * stride_vt + h * stride_vh + d, mask=mask)
+    if FP8:  # kernels/fp8.py: scaled, clamped to e4m3's range (a plain cast past it is NaN)
+        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
+    tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
     tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value [T, Hkv, D] into the paged caches at slot_mapping [T] (-1 skips)."""
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+                          v_scale: float = 1.0) -> None:
+    """Scatter key/value [T, Hkv, D] into the paged caches at slot_mapping [T] (-1 skips); fp8
+    caches are quantised with the per-tensor scales."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -55,6 +60,6 @@ def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_cache.shape[1], num_kv_heads,
+        k_cache.shape[1], num_kv_heads, k_scale, v_scale,
         HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        D_PAD=triton.next_power_of_2(head_dim))
+        D_PAD=triton.next_power_of_2(head_dim), FP8=k_cache.dtype == torch.float8_e4m3fn)

@@ -25,6 +25,8 @@ ATTENTION_VARIANTS = [
     ("fp32", 8, 8, 64, 16, False, 1),     # fp32 (ieee dot), no GQA
     ("fp32", 32, 8, 128, 16, False, 1),   # fp32, Llama-3-8B heads
     ("fp32", 32, 8, 128, 16, True, 4),
+    ("fp8e4nv", 32, 8, 128, 16, True, 1),   # --kv-cache-dtype fp8: bf16 q/out, e4m3 K/V
+    ("fp8e4nv", 32, 8, 128, 16, False, 1),
 ]
 # Variants compiled again with every feature on (sliding window, soft-cap, sinks).
 FEATURE_VARIANTS = [ATTENTION_VARIANTS[1], ATTENTION_VARIANTS[2], ATTENTION_VARIANTS[6]]
@@ -77,16 +79,17 @@ def compile_all():
     from kernels.triton_attention import _merge_splits_kernel, _paged_attn_kernel, launch_config
     from kernels.triton_cache import _write_kv_kernel
     from kernels.triton_norm import _add_rms_norm_kernel, _rotary_kernel
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8e4nv": torch.float8_e4m3fn}
     variants = [(v, False) for v in ATTENTION_VARIANTS] + [(v, True) for v in FEATURE_VARIANTS]
     for (dt, hq, hkv, d, bs, decode, splits), features in variants:
         n_tok = 4 if decode else 64
         cfg = launch_config(n_tok, 4, hq, hkv, d, bs, dtypes[dt], True)
         warps = cfg.pop("num_warps")
-        ptrs = dict(q=dt, k_cache=dt, v_cache=dt, block_tables="i32", seq_lens="i32", query_start_loc="i32",
-                    out=dt, part_acc="fp32", part_ml="fp32", sinks="fp32")
+        act = "bf16" if dt == "fp8e4nv" else dt
+        ptrs = dict(q=act, k_cache=dt, v_cache=dt, block_tables="i32", seq_lens="i32", query_start_loc="i32",
+                    out=act, part_acc="fp32", part_ml="fp32", sinks="fp32")
         # q as a view into the fused QKV output, as the model passes it.
-        ints = dict(scale_log2=0.1, window=4096, softcap=30.0, num_seqs=37, num_tokens=n_tok * 3 + 1, num_q_heads=hq,
+        ints = dict(scale_log2=0.1, v_scale=0.5, window=4096, softcap=30.0, num_seqs=37, num_tokens=n_tok * 3 + 1, num_q_heads=hq,
                     stride_qt=(hq + 2 * hkv) * d, stride_qh=d, stride_ot=hq * d, stride_oh=d,
                     stride_cb=bs * hkv * d, stride_cs=hkv * d, stride_ch=d, stride_bt=129)
         flags = dict(HAS_WINDOW=features, HAS_SOFTCAP=features, HAS_SINKS=features)
@@ -95,11 +98,13 @@ def compile_all():
     ints = dict(num_tokens=7, num_q_heads=32, stride_ot=4096, stride_oh=128)
     yield _compile(_merge_splits_kernel, dict(part_acc="fp32", part_ml="fp32", out="bf16"), ints,
                    dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=8, HEADS_BLOCK=1), 1)
-    for src, dst, slot in [("bf16", "bf16", "i64"), ("fp32", "bf16", "i32"), ("fp16", "fp16", "i64")]:
+    for src, dst, slot in [("bf16", "bf16", "i64"), ("fp32", "bf16", "i32"), ("fp16", "fp16", "i64"),
+                           ("bf16", "fp8e4nv", "i64")]:
         ptrs = dict(key=src, value=src, k_cache=dst, v_cache=dst, slot_mapping=slot)
         ints = dict(stride_kt=6144, stride_kh=128, stride_vt=6144, stride_vh=128, stride_cb=16384,
-                    stride_cs=1024, stride_ch=128, block_size=16, num_kv_heads=8)
-        yield _compile(_write_kv_kernel, ptrs, ints, dict(HEAD_DIM=128, HEADS_PAD=8, D_PAD=128))
+                    stride_cs=1024, stride_ch=128, block_size=16, num_kv_heads=8, k_scale=0.5, v_scale=0.25)
+        yield _compile(_write_kv_kernel, ptrs, ints, dict(HEAD_DIM=128, HEADS_PAD=8, D_PAD=128,
+                                                          FP8=dst == "fp8e4nv"))
     ptrs = dict(x="bf16", residual="bf16", weight="bf16", out="bf16", res_out="bf16")
     ints = dict(stride_x=4096, stride_r=4096, stride_o=4096, stride_ro=4096, n_cols=4096, eps=1e-5)
     yield _compile(_add_rms_norm_kernel, ptrs, ints, dict(HAS_RESIDUAL=True, BLOCK=4096), 8)
