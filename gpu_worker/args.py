@@ -1,13 +1,20 @@
 """Command-line flags of `python -m gpu_worker` (and `pagoda worker`).
 
-Kept free of torch and of the engine so that `--help` is instant and the CLI can share it.
+Kept free of torch and of the engine (config.py imports neither) so that `--help` is instant
+and the CLI can share it.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import secrets
 import socket
+
+from gpu_worker.config import EngineConfig
+
+# The engine's defaults live in EngineConfig alone; the flags read them from there.
+_D = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,26 +26,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus HTTP port; 0 turns it off")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=_D["device"])
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=_D["dtype"])
+    p.add_argument("--block-size", type=int, default=_D["block_size"])
     pool = p.add_argument_group("KV-cache pool size (the first given wins: blocks, bytes, GPU fraction)")
     pool.add_argument("--kv-cache-memory", default=None, help="bytes for the pool, e.g. 2GiB")
     pool.add_argument("--num-kv-blocks", type=int, default=None)
-    pool.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
+    pool.add_argument("--gpu-memory-utilization", type=float, default=_D["gpu_memory_utilization"])
+    p.add_argument("--tensor-parallel-size", type=int, default=_D["tensor_parallel_size"],
                    help="split the model over this many ranks (one GPU each; gloo processes on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=_D["max_num_seqs"])
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eagerly")
-    p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
+    p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default=_D["model_impl"],
                    help="native Llama-family code or transformers' modeling code (auto: native where it exists)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=_D["kv_cache_dtype"],
                    help="fp8: e4m3 K/V with per-tensor scales, half the memory of bf16")
-    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-    p.add_argument("--max-waiting", type=int, default=1024,
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=_D["scheduling_policy"])
+    p.add_argument("--max-waiting", type=int, default=_D["max_waiting"],
                    help="requests queued beyond this are refused with RESOURCE_EXHAUSTED")
     p.add_argument("--redis-url", default=None, help="publish load and cached blocks here (password: REDIS_PASSWORD)")
     p.add_argument("--advertise-address", default=None, help="HOST:PORT routers dial (default: hostname:port)")

@@ -1,7 +1,9 @@
 """The pool of fixed-size KV-cache blocks: ref counts, the LRU free list and the prefix cache.
 
 A block whose ref count drops to 0 joins the tail of the free list but keeps its hash, so
-a later request with the same prefix can take it back (lazy eviction). Only when the block
+a later request with the same prefix can take it back (lazy eviction). A freed block without
+a hash can never be found again, so it joins the head instead: useless blocks are handed out
+before cached ones. Only when the block
 is handed out as a new block is its hash dropped: that is the "removed" event. The free
 list is an intrusive doubly linked list so that reviving a cached block from the middle
 of it is O(1).
@@ -60,6 +62,12 @@ class FreeBlockQueue:
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_free += 1
 
+    def appendleft(self, block: KVCacheBlock) -> None:
+        first = self._head.next_free
+        self._head.next_free, block.prev_free = block, self._head
+        block.next_free, first.prev_free = first, block
+        self.num_free += 1
+
     def __iter__(self) -> Iterator[KVCacheBlock]:
         b = self._head.next_free
         while b is not self._tail:
@@ -81,9 +89,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now: free, including cached ones with no owner."""
         return len(self.free_queue)
-
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks() / self.num_blocks
 
     def get_cached_block(self, block_hash: bytes) -> Optional[KVCacheBlock]:
         return self.cached.get(block_hash)
@@ -129,21 +134,32 @@ class BlockPool:
                 self.events.append(("stored", h))
 
     def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each; idle blocks join the LRU tail in the order given."""
+        """Drop one reference on each. Idle cached blocks join the LRU tail in the order
+        given; idle blocks without a hash go to the head, keeping that order among them."""
+        plain = []
         for b in ordered:
             b.ref_cnt -= 1
             assert b.ref_cnt >= 0, b
             if b.ref_cnt == 0:
                 if b.block_hash is not None and self.cached.get(b.block_hash) is not b:
                     b.block_hash = None    # a duplicate: nothing can ever find it
-                self.free_queue.append(b)
+                if b.block_hash is None:
+                    plain.append(b)
+                else:
+                    self.free_queue.append(b)
+        for b in reversed(plain):
+            self.free_queue.appendleft(b)
 
-    def reset_cache(self) -> None:
-        """Forget every cached hash; only for a pool whose blocks are all free."""
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (False, nothing changed) while any block is in
+        use: a running request's blocks must keep the names its later steps rely on."""
+        if self.num_free_blocks() != self.num_blocks:
+            return False
         for h, b in self.cached.items():
             b.block_hash = None
             self.events.append(("removed", h))
         self.cached.clear()
+        return True
 
     def take_events(self) -> list[tuple[str, bytes]]:
         events, self.events = self.events, []

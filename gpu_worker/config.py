@@ -32,7 +32,7 @@ class EngineConfig:
     kv_cache_memory: Optional[int | str] = None  # bytes or '2GiB'
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None  # default: max(2048, max_model_len) capped to 8192
+    max_num_batched_tokens: Optional[int] = None  # default: see token_budget
     max_model_len: Optional[int] = None         # default: the checkpoint's
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"             # fcfs | priority
@@ -71,6 +71,10 @@ class EngineConfig:
         env = os.environ.get("PAGODA_ATTENTION")
         if env:
             self.attention_backend = env
+
+    def token_budget(self, max_model_len: int) -> int:
+        """Tokens per step: the flag, else max(2048, max_model_len) capped to 8192."""
+        return self.max_num_batched_tokens or min(max(2048, max_model_len), 8192)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

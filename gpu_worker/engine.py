@@ -9,7 +9,7 @@ import itertools
 import logging
 import time
 import weakref
-from typing import Iterable, Optional
+from typing import Iterable
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.detokenizer import Detokenizer
@@ -26,10 +26,6 @@ logger = logging.getLogger(__name__)
 live_engines: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
 
 
-def default_max_num_batched_tokens(max_model_len: int) -> int:
-    return min(max(2048, max_model_len), 8192)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from gpu_worker.model_runner import ModelRunner
@@ -44,8 +40,7 @@ class LLMEngine:
         self.num_blocks = self.runner.num_blocks_for()
         self.runner.allocate_kv_cache(self.num_blocks)
         self.runner.warm_up()  # kernels compile now, not on the first requests
-        self.max_num_batched_tokens = (config.max_num_batched_tokens
-                                       or default_max_num_batched_tokens(self.max_model_len))
+        self.max_num_batched_tokens = config.token_budget(self.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.scheduling_policy)
@@ -102,8 +97,7 @@ class LLMEngine:
                              f"KV blocks but the pool has {self.num_blocks}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str = "", adapter: str = "",
-                    prompt: Optional[str] = None) -> None:
+                    priority: int = 0, cache_salt: str = "", adapter: str = "") -> None:
         self.validate_request(request_id, prompt_token_ids, params, priority, cache_salt, adapter)
         root = namespace_root(self.model_name, adapter, cache_salt)
         serial = next(self._serial)
@@ -158,7 +152,8 @@ class LLMEngine:
             # This step's full blocks were named before their KV was written, so the cache
             # can no longer be trusted: end every request and start it clean.
             self.abort_request(list(self.children))
-            self.kv.pool.reset_cache()
+            if not self.kv.pool.reset_prefix_cache():
+                logger.error("prefix cache not reset: blocks still held after aborting every request")
             raise
         for req in self.scheduler.update_from_output(out, result):
             deltas.append(self._on_token(req))

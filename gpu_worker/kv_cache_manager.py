@@ -24,9 +24,6 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def usage(self) -> float:
-        return self.pool.usage()
-
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached chain of the request's full blocks, and the tokens it covers.
 

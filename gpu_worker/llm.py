@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence
+from typing import Sequence
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import LLMEngine
@@ -11,15 +11,9 @@ from gpu_worker.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, device: str = "auto", block_size: int = 16,
-                 num_kv_blocks: Optional[int] = None, kv_cache_memory=None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
-                 enable_prefix_caching: bool = True, **kwargs):
-        config = EngineConfig(
-            model=model, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, **kwargs)
+    def __init__(self, model: str, **kwargs):
+        """Keywords are EngineConfig fields (device, block_size, num_kv_blocks, ...)."""
+        config = EngineConfig(model=model, **kwargs)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -43,7 +37,7 @@ class LLM:
                 text = prompt if isinstance(prompt, str) else None
                 ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p, prompt=text)
+                self.engine.add_request(rid, ids, p)
                 added.append(rid)
                 outputs[rid] = RequestOutput(
                     request_id=rid, prompt=text, prompt_token_ids=ids, finished=False,

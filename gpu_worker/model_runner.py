@@ -124,11 +124,6 @@ class ModelRunner:
             return self._profile_num_blocks()
         return math.ceil(8 * self.max_model_len / self.block_size)
 
-    def max_num_batched_tokens(self) -> int:
-        if self.config.max_num_batched_tokens:
-            return self.config.max_num_batched_tokens
-        return min(max(2048, self.max_model_len), 8192)
-
     def _profile_num_blocks(self) -> int:
         """Blocks that fit in gpu_memory_utilization after weights and a dummy full step's peak."""
         torch.cuda.synchronize(self.device)
@@ -138,8 +133,8 @@ class ModelRunner:
         outside = total - free - torch.cuda.memory_reserved(self.device)
         # The worst step: max_num_batched_tokens of prefill, cut into sequences of at most
         # max_model_len tokens, each with its own blocks.
-        seq_len = min(self.max_num_batched_tokens(), self.max_model_len)
-        lens, left = [], self.max_num_batched_tokens()
+        seq_len = min(self.config.token_budget(self.max_model_len), self.max_model_len)
+        lens, left = [], self.config.token_budget(self.max_model_len)
         while left > 0 and len(lens) < self.config.max_num_seqs:
             lens.append(min(left, seq_len))
             left -= lens[-1]

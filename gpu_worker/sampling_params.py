@@ -36,10 +36,6 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first invalid field."""
         def bad(name: str, why: str):

@@ -3,7 +3,9 @@
 One token budget per step (max_num_batched_tokens), spent on running requests first, then
 on waiting ones; long prompts are prefilled in chunks. When blocks run out a running
 request is preempted by recompute: its blocks are freed and it goes back to the front of
-the queue (its full blocks usually stay in the prefix cache, so recompute is cheap).
+the queue (its full blocks usually stay in the prefix cache, so recompute is cheap). Under
+the priority policy a waiting request that finds no blocks or sequence slot preempts running
+requests of lower priority, lowest first.
 """
 from __future__ import annotations
 
@@ -103,12 +105,18 @@ class Scheduler:
         return self._output(chunks)
 
     def _admit(self, budget: int, chunks: dict[str, int]) -> int:
-        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while len(self.waiting) and budget > 0:
             req = self.waiting.peek()
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(req, n, hits) is None:
-                break
+            if len(self.running) >= self.max_num_seqs or self.kv.allocate_slots(req, n, hits) is None:
+                # Under the priority policy a better request takes the place of a worse one.
+                victim = self._worse_running(req)
+                if victim is None:
+                    break
+                budget += chunks.pop(victim.req_id, 0)
+                self._preempt(victim)
+                continue
             self.waiting.pop()
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
@@ -120,6 +128,13 @@ class Scheduler:
             chunks[req.req_id] = n
             budget -= n
         return budget
+
+    def _worse_running(self, req: Request):
+        """The running request of strictly lower priority than req (the lowest), if any."""
+        if self.policy != "priority" or not self.running:
+            return None
+        victim = self._pick_victim()
+        return victim if victim.priority > req.priority else None
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":

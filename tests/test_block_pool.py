@@ -35,11 +35,23 @@ def test_allocate_then_free_tail_first_sets_lru_order():
     assert [b.block_id for b in a] == [0, 1, 2]
     assert [b.ref_cnt for b in a] == [1, 1, 1]
     assert free_ids(pool) == [3, 4, 5] and pool.num_free_blocks() == 3
+    pool.cache_full_blocks(a, [h(1), h(2), h(3)], 0, 3)
     pool.free_blocks(reversed(a))
     # Freed tail first: the chain's tail is the first of its blocks to be evicted.
     assert free_ids(pool) == [3, 4, 5, 2, 1, 0]
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert pool.usage() == 0.0
+    assert pool.num_free_blocks() == 6
+
+
+def test_freed_blocks_without_hash_go_to_the_head():
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(4)
+    pool.cache_full_blocks(a, [h(1), h(2)], 0, 2)      # blocks 2 and 3 are partial or unnamed
+    pool.free_blocks(reversed(a))
+    # Useless blocks are handed out first (in the order freed); cached ones wait at the tail.
+    assert free_ids(pool) == [3, 2, 4, 5, 1, 0]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 2]
+    assert pool.get_cached_block(h(1)) is a[0] and pool.take_events() == [("stored", h(1)), ("stored", h(2))]
 
 
 def test_cache_hit_revives_block_from_middle_of_free_list():
@@ -49,18 +61,18 @@ def test_cache_hit_revives_block_from_middle_of_free_list():
     assert pool.take_events() == [("stored", h(1)), ("stored", h(2))]
     assert a[2].block_hash is None
     pool.free_blocks(reversed(a))
-    assert free_ids(pool) == [3, 4, 5, 2, 1, 0]
+    assert free_ids(pool) == [2, 3, 4, 5, 1, 0]
     # Lazily evicted: still findable after being freed.
     hit = pool.get_cached_block(h(2))
     assert hit is a[1] and hit.ref_cnt == 0
     pool.touch([pool.get_cached_block(h(1)), hit])
     assert (a[0].ref_cnt, a[1].ref_cnt) == (1, 1)
-    assert free_ids(pool) == [3, 4, 5, 2]
+    assert free_ids(pool) == [2, 3, 4, 5]
     pool.touch([a[0]])                                 # a second sharer
-    assert a[0].ref_cnt == 2 and free_ids(pool) == [3, 4, 5, 2]
+    assert a[0].ref_cnt == 2 and free_ids(pool) == [2, 3, 4, 5]
     pool.free_blocks([a[1], a[0]])
     assert (a[0].ref_cnt, a[1].ref_cnt) == (1, 0)
-    assert free_ids(pool) == [3, 4, 5, 2, 1]
+    assert free_ids(pool) == [2, 3, 4, 5, 1]
     assert pool.take_events() == []
 
 
@@ -97,8 +109,8 @@ def test_duplicate_hash_keeps_first_block_and_frees_duplicate_plain():
     assert b[0].block_hash is None
     pool.free_blocks(a)
     assert pool.get_cached_block(h(7)) is a[0]
-    # Handing out the duplicate evicts nothing.
-    assert [x.block_id for x in pool.get_new_blocks(3)] == [2, 3, 1]
+    # The plain duplicate goes first, and handing it out evicts nothing.
+    assert [x.block_id for x in pool.get_new_blocks(3)] == [1, 2, 3]
     assert pool.take_events() == []
 
 
@@ -113,3 +125,16 @@ def test_caching_disabled_names_nothing():
 def test_pool_needs_a_block():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(0)
+
+
+def test_reset_prefix_cache_refused_while_blocks_are_in_use():
+    pool = BlockPool(4)
+    a = pool.get_new_blocks(2)
+    pool.cache_full_blocks(a, [h(1), h(2)], 0, 2)
+    pool.take_events()
+    assert pool.reset_prefix_cache() is False
+    assert pool.get_cached_block(h(1)) is a[0] and pool.take_events() == []
+    pool.free_blocks(reversed(a))
+    assert pool.reset_prefix_cache() is True
+    assert pool.get_cached_block(h(1)) is None and a[0].block_hash is None
+    assert sorted(pool.take_events()) == [("removed", h(1)), ("removed", h(2))]

@@ -91,6 +91,17 @@ def test_min_tokens_defers_stop_tokens(llm):
         assert out.token_ids[-1] == stop_tok and stop_tok not in out.token_ids[:-1]
 
 
+def test_min_tokens_defers_stop_strings(llm):
+    prompt = llm.tokenizer.encode("Once upon a time there was a small model")
+    full = llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, **GREEDY))[0].outputs[0]
+    early = llm.tokenizer.decode(full.token_ids[:2], skip_special_tokens=True).strip()
+    assert early and full.text.find(early) < len(llm.tokenizer.decode(full.token_ids[:2]))
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, min_tokens=6, stop=[early], ignore_eos=True,
+                                                **GREEDY))[0].outputs[0]
+    # The stop string completed within the first two tokens, before min_tokens allowed a stop.
+    assert len(out.token_ids) >= 6 and out.token_ids == full.token_ids[:len(out.token_ids)]
+
+
 def test_stop_strings_earliest_completed_wins_and_truncates(llm):
     # Real words, so the tiny model's BPE produces text with several distinct substrings.
     prompt = llm.tokenizer.encode("Once upon a time there was a small model")

@@ -114,3 +114,25 @@ def test_caching_disabled():
     b = req("b", list(range(9)))
     assert m.get_computed_blocks(b) == ([], 0)
     assert m.pool.take_events() == []
+
+
+def test_idle_cache_hits_count_against_free_blocks():
+    # Two free blocks, one of them an idle hit: a request that takes the hit and needs two
+    # new blocks must be refused cleanly (the hit leaves the free list when taken).
+    m = KVCacheManager(num_blocks=3, block_size=BS)
+    a = req("a", list(range(4)))
+    m.allocate_slots(a, 4)
+    m.free(a)
+    holder = req("holder", [70, 71, 72])
+    m.allocate_slots(holder, 3)
+    assert free_ids(m) == [2, 0]
+    b = req("b", list(range(4)) + [80] * 5)
+    hits, n = m.get_computed_blocks(b)
+    assert ids(hits) == [0] and n == 4
+    before = free_ids(m)
+    assert m.allocate_slots(b, 5, hits) is None
+    assert free_ids(m) == before and m.pool.blocks[0].ref_cnt == 0 and "b" not in m.req_to_blocks
+    # One new block fewer fits: the hit plus one new block.
+    c = req("c", list(range(4)) + [90] * 3)
+    hits, _ = m.get_computed_blocks(c)
+    assert ids(m.allocate_slots(c, 3, hits)) == [0, 2] and free_ids(m) == []

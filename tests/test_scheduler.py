@@ -179,3 +179,48 @@ def test_prefix_hit_skips_cached_blocks_and_counts_tokens():
     assert ("b", 3, 8, True) in chunks(out)
     assert s.requests["b"].num_cached_tokens == 8
     assert (s.prefix_cache_queries, s.prefix_cache_hits) == (21, 8)
+
+
+def test_priority_waiting_request_preempts_lower_priority_for_a_sequence_slot():
+    s = make(policy="priority", max_num_seqs=2, caching=False)
+    s.add_request(req("low", 4, priority=5))
+    s.add_request(req("mid", 4, priority=2))
+    run_step(s)
+    s.add_request(req("high", 4, priority=0))
+    s.add_request(req("same", 4, priority=2))
+    out = run_step(s)
+    # high takes low's slot (low's decode chunk is dropped); "same" (equal to mid) preempts nobody.
+    assert chunks(out) == [("mid", 1, 4, True), ("high", 4, 0, True)]
+    assert s.requests["low"].status == RequestStatus.PREEMPTED and s.num_preemptions == 1
+    assert out.finished_req_ids == {"low"}
+    assert [r.req_id for r in s.waiting] == ["same", "low"]
+
+
+def test_priority_waiting_request_preempts_lower_priority_for_blocks():
+    s = make(num_blocks=3, policy="priority", caching=False)
+    s.add_request(req("low", 8, priority=5))
+    run_step(s)                        # low holds 2 blocks (8 tokens + a sampled one)
+    s.add_request(req("high", 9, priority=1))
+    out = run_step(s)                  # low grows into block 3; high needs 3: low must go
+    assert chunks(out) == [("high", 9, 0, True)]
+    assert s.requests["low"].status == RequestStatus.PREEMPTED
+    assert s.kv.pool.num_free_blocks() == 0
+
+
+def test_no_admission_in_a_step_that_preempted_even_when_one_would_fit():
+    # Under the priority policy the better waiting request is first in line, and after the
+    # preemption one block is free for it; it still waits a step (it would only take back
+    # the block the preemption just freed).
+    s = make(num_blocks=4, policy="priority", caching=False)
+    s.add_request(req("a", 7, priority=1))
+    s.add_request(req("b", 3, priority=1))
+    run_step(s)                        # a: 2 blocks, b: 1 block
+    run_step(s)                        # both decode inside their blocks
+    s.add_request(req("c", 2, priority=0))
+    out = run_step(s)                  # a takes the last free block; b then preempts itself
+    assert chunks(out) == [("a", 1, 8, True)]
+    assert s.requests["b"].status == RequestStatus.PREEMPTED
+    assert s.kv.pool.num_free_blocks() == 1 and s.waiting.peek().req_id == "c"
+    assert s.requests["c"].status == RequestStatus.WAITING
+    out = run_step(s)
+    assert chunks(out) == [("a", 1, 9, True), ("c", 2, 0, True)]
