@@ -1,7 +1,8 @@
 """Runs one scheduled step on the device: flat batch in, one sampled token per sampling request out.
 
-Owns the model, the tokenizer, the per-layer KV caches and the sampler. A SchedulerOutput is
-flattened into token ids, positions, slot mapping, block tables, seq lens and query_start_loc;
+Owns the model, the tokenizer, the per-layer KV caches, the persistent input batch and the
+sampler. A SchedulerOutput updates the batch's rows (only what changed); the batch flattens
+the step into token ids, positions, slot mapping, block tables, seq lens and query_start_loc;
 logits are computed only for rows that end a request's known tokens.
 """
 from __future__ import annotations
@@ -18,13 +19,13 @@ from gpu_worker import distributed
 from gpu_worker.attention import AttentionMetadata, resolve_backend, select_backend
 from gpu_worker.config import EngineConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
+from gpu_worker.input_batch import InputBatch, StepInputs
 from gpu_worker.loader import load_hf_config, load_model, resolve_dtype, resolve_model
 from gpu_worker.memory import cuda_graph_bytes, kv_budget_bytes, sampler_workspace_bytes
 from gpu_worker.models.llama import use_triton_ops
 from gpu_worker.models.parallel import Shard, check_tensor_parallel
-from gpu_worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from gpu_worker.sampler import Sampler, SamplingRow
-from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.outputs import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
+from gpu_worker.sampler import Sampler
 from gpu_worker.warmup import WarmupStep, warmup_plan
 from kernels.fp8 import kv_cache_dtype
 
@@ -72,8 +73,11 @@ class ModelRunner:
         self.num_layers = len(self.model.attention_layers())
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.sampler = Sampler(self.eos_token_ids)
+        self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None  # captured by warm_up on CUDA
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len,
+                                config.token_budget(self.max_model_len), self.block_size,
+                                self.vocab_size, self.eos_token_ids, self.device)
         # Test hook: every step also sleeps this long (the GIL is released, as in a real
         # forward), so tests can show that the event loop never waits on a step.
         self.step_delay_s = float(os.environ.get("PAGODA_TEST_STEP_DELAY_S", "0") or 0)
@@ -145,11 +149,13 @@ class ModelRunner:
             first += nblocks
         self._bind_kv_cache(first)
         temp_kv = first * self.bytes_per_block()
-        ids, pos, meta = self._dummy_batch(reqs)
         with torch.inference_mode():
-            hidden = self.model(ids, pos, meta)
+            # This rank alone (each rank profiles its own memory): no broadcast.
+            inputs = self.batch.prepare(self._dummy_step(reqs))
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
             rows = min(self.config.max_num_seqs, hidden.shape[0])
             torch.softmax(self.model.compute_logits(hidden[:rows]), dim=-1)
+        self.batch.update(SchedulerOutput([], finished_req_ids={f"profile-{i}" for i in range(len(reqs))}))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - temp_kv
         self.kv_caches = []
@@ -172,13 +178,10 @@ class ModelRunner:
                              f"{budget / 2**30:.2f} GiB after weights, activations and the sampler)")
         return blocks
 
-    def _dummy_batch(self, reqs: list[tuple[list[int], int]]):
-        scheduled = [ScheduledRequest(req_id=f"profile-{i}", token_ids=[0] * n, start_pos=0,
-                                      block_ids=blocks, sample=True, sampling_params=None,
-                                      prompt_token_ids=[], output_token_ids=[])
-                     for i, (blocks, n) in enumerate(reqs)]
-        ids, pos, meta, _ = self.prepare(scheduled)
-        return ids, pos, meta
+    def _dummy_step(self, reqs: list[tuple[list[int], int]]) -> list[ScheduledRequest]:
+        new = [NewRequest(f"profile-{i}", [0] * n, n, None, blocks) for i, (blocks, n) in enumerate(reqs)]
+        self.batch.update(SchedulerOutput([], new=new))
+        return [ScheduledRequest(r.req_id, len(r.token_ids), 0, True, []) for r in new]
 
     def warm_up(self) -> None:
         """Compile every Triton kernel variant serving will use, before the worker reports
@@ -190,10 +193,12 @@ class ModelRunner:
         attn = self.model.attention_layers()[0]
         block_n = launch_config(1, 1, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.block_size,
                                 self.kv_dtype, True)["BLOCK_N"]
-        plan = warmup_plan(self.config.max_num_seqs, self.max_model_len, self.max_num_batched_tokens(),
+        plan = warmup_plan(self.config.max_num_seqs, self.max_model_len,
+                           self.config.token_budget(self.max_model_len),
                            attn.num_kv_heads, _num_sms(self.device.index or 0), block_n)
         for step in plan:
             self.forward(self.warmup_batch(step))
+        self.batch.update(SchedulerOutput([], finished_req_ids=set(self.batch.req_ids)))
         torch.cuda.synchronize(self.device)
         log.info("warm-up: %d steps compiled in %.1f s", len(plan), time.perf_counter() - start)
         if self.uses_graphs():
@@ -210,15 +215,17 @@ class ModelRunner:
         return (self.device.type == "cuda" and self.backend == "triton" and not self.config.enforce_eager
                 and self.shard.size == 1 and getattr(self.model, "cuda_graphs_ok", True))
 
-    def warmup_batch(self, step: WarmupStep) -> list[ScheduledRequest]:
+    def warmup_batch(self, step: WarmupStep) -> SchedulerOutput:
         """A dummy step of this shape over the pool's first blocks (shared by every sequence;
-        nothing is cached before serving, so what it writes there is never read)."""
+        nothing is cached before serving, so what it writes there is never read). Its rows
+        replace whatever the batch holds."""
         seq_len = min(step.seq_len, len(self.kv_caches[0][0]) * self.block_size)
         blocks = list(range(math.ceil(seq_len / self.block_size)))
         first = seq_len - 1 if step.decode else 0
-        return [ScheduledRequest(req_id=f"warmup-{i}", token_ids=[0] * (seq_len - first), start_pos=first,
-                                 block_ids=blocks, sample=True, sampling_params=SamplingParams(),
-                                 prompt_token_ids=[], output_token_ids=[]) for i in range(step.num_seqs)]
+        ids = [f"warmup-{i}" for i in range(step.num_seqs)]
+        return SchedulerOutput([ScheduledRequest(rid, seq_len - first, first, True, []) for rid in ids],
+                               new=[NewRequest(rid, [0] * seq_len, seq_len, None, blocks) for rid in ids],
+                               finished_req_ids=set(self.batch.req_ids))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if self.tp is not None:
@@ -236,75 +243,53 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------
 
-    def prepare(self, scheduled: list[ScheduledRequest]):
-        """Flatten a step: (input_ids, positions, AttentionMetadata, sample row indices)."""
-        bs = self.block_size
-        ids, pos, slots, seq_lens, qsl, sample_rows = [], [], [], [], [0], []
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        tables = []
-        for s in scheduled:
-            n = len(s.token_ids)
-            end = s.start_pos + n
-            if end > len(s.block_ids) * bs:
-                raise ValueError(f"block_ids: request {s.req_id} needs {math.ceil(end / bs)} blocks "
-                                 f"for {end} tokens, has {len(s.block_ids)}")
-            ids.extend(s.token_ids)
-            pos.extend(range(s.start_pos, end))
-            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(s.start_pos, end))
-            seq_lens.append(end)
-            qsl.append(qsl[-1] + n)
-            tables.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
-            if s.sample:
-                sample_rows.append(qsl[-1] - 1)
-
-        def dev(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
-
-        meta = AttentionMetadata(slot_mapping=dev(slots, torch.int64),
-                                 block_tables=dev(tables, torch.int32),
-                                 seq_lens=dev(seq_lens, torch.int32),
-                                 query_start_loc=dev(qsl, torch.int32), max_seq_len=max(seq_lens))
-        return dev(ids, torch.int64), dev(pos, torch.int64), meta, sample_rows
-
-    @torch.inference_mode()
-    def forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """Run the model over a step (writing its KV); fp32 logits [num sampling requests, V]."""
-        ids, pos, meta, sample_rows = self.prepare(scheduled)
+    def _run_model(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, StepInputs]:
+        """Build the step's inputs and run it: (logits of the sampling rows, the inputs)."""
+        inputs = self.batch.prepare(scheduled)
+        args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
         if self.tp is None:
-            return self.run_model(ids, pos, meta, sample_rows)
+            return self.run_model(*args), inputs
         # Every rank runs the same step on its shard: one broadcast of the step's inputs.
-        self.tp.send("run_model", ids, pos, meta, sample_rows)
+        self.tp.send("run_model", *args)
         try:
-            return self.run_model(ids, pos, meta, sample_rows)
+            return self.run_model(*args), inputs
         except distributed.RankFailure:
             raise
         except RuntimeError as e:    # a collective failed: the group is unusable from here on
             raise self.tp.fail(f"step failed: {e}") from e
 
     @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """Apply a step to the batch and run the model over it (writing its KV); fp32 logits
+        [sampling requests, V]. The sampled tokens are not appended: execute does that."""
+        self.batch.update(out)
+        if not out.scheduled:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        return self._run_model(out.scheduled)[0]
+
+    @torch.inference_mode()
     def run_model(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
-                  sample_rows: list[int]) -> torch.Tensor:
+                  logits_indices: torch.Tensor) -> torch.Tensor:
         """The model on this rank's shard; on rank 0, fp32 logits of the sampling rows."""
         hidden = self.graphs.run(ids, pos, meta) if self.graphs is not None else None
         if hidden is None:  # prefill, mixed, or no graphs
             hidden = self.model(ids, pos, meta)
-        return self.model.compute_logits(hidden[sample_rows])
+        return self.model.compute_logits(hidden[logits_indices])
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        if not out.scheduled:
-            return ModelRunnerOutput(sampled_token_ids={})
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        logits = self.forward(out.scheduled)
-        samplers = [s for s in out.scheduled if s.sample]
-        if not samplers:
+        self.batch.update(out)
+        if not out.scheduled:
             return ModelRunnerOutput(sampled_token_ids={})
-        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
-                            s.generator, s.grammar) for s in samplers]
-        tokens, logprobs = self.sampler(logits, rows)
-        result = ModelRunnerOutput(sampled_token_ids={s.req_id: t for s, t in zip(samplers, tokens)})
-        for s, lp in zip(samplers, logprobs):
+        logits, inputs = self._run_model(out.scheduled)
+        if not inputs.req_ids:
+            return ModelRunnerOutput(sampled_token_ids={})
+        tokens, logprobs = self.sampler(logits, self.batch.sampling_batch(inputs.sample_rows))
+        self.batch.append_sampled(inputs.sample_rows, tokens)
+        result = ModelRunnerOutput(sampled_token_ids=dict(zip(inputs.req_ids, tokens)))
+        for rid, lp in zip(inputs.req_ids, logprobs):
             if lp is not None:
-                result.logprobs[s.req_id] = lp
+                result.logprobs[rid] = lp
         return result

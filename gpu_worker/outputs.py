@@ -14,30 +14,35 @@ from gpu_worker.sampling_params import SamplingParams
 
 
 @dataclass
-class ScheduledRequest:
-    """One request's share of a step, everything the runner needs and nothing more."""
+class NewRequest:
+    """A request entering the runner's persistent batch (first admission, or again after
+    preemption): everything the runner keeps in its row until the request leaves."""
     req_id: str
-    token_ids: list[int]          # tokens to compute this step; token_ids[0] sits at start_pos
-    start_pos: int                # = tokens already in the KV cache for this request
-    block_ids: list[int]          # the request's whole block table after this step's allocation
-    sample: bool                  # True when this chunk ends the known tokens: sample one token
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]   # read-only views, for penalties
-    output_token_ids: list[int]
+    token_ids: list[int]          # every known token: prompt, then outputs so far
+    num_prompt_tokens: int
+    sampling_params: Optional[SamplingParams]     # None: a profiling row (greedy, plain)
+    block_ids: list[int]          # the whole block table after this step's allocation
     generator: Optional[torch.Generator] = None   # per-request, when a seed is given
     grammar: Any = None           # structured_output.GrammarState, when the output is constrained
 
 
 @dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    # Requests that left the batch since the last step (finished, aborted, preempted):
-    # the runner drops any per-request state it keeps for them.
-    finished_req_ids: set[str] = field(default_factory=set)
+class ScheduledRequest:
+    """One request's share of a step: only what the runner cannot know by itself."""
+    req_id: str
+    num_tokens: int               # tokens to compute this step
+    start_pos: int                # = tokens already in the KV cache for this request
+    sample: bool                  # True when this chunk ends the known tokens: sample one token
+    new_block_ids: list[int]      # blocks appended to the request's table this step
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]             # in batch order
+    new: list[NewRequest] = field(default_factory=list)
+    # Requests that left the batch since the last step (finished, aborted, preempted):
+    # the runner frees their rows before adding this step's new requests.
+    finished_req_ids: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -1,138 +1,185 @@
-"""Turn one step's logits into tokens, per request, with vLLM's sampling semantics.
+"""Turn one step's logits into tokens, all rows at once, with vLLM's sampling semantics.
 
-Order (as vLLM V1): raw log-probabilities are taken first (what `logprobs` reports), then
-min_tokens suppression and logit_bias, then penalties (repetition over prompt + output,
-presence and frequency over output), then greedy argmax for temperature 0, else temperature,
-min_p, top_k, top_p and a draw.
+Order: the structured-output grammar mask first (a forbidden token is no candidate, not even
+for logprobs), then raw log-probabilities (what `logprobs` reports), min_tokens suppression,
+logit_bias, penalties (repetition over prompt + output, presence and frequency over output),
+then greedy argmax for temperature 0, else temperature, min_p, top_k, top_p and a draw. Every transform is one
+batched tensor operation over the rows that use it; rows that do not are left as they are.
 
-The draw is argmax(probs / q) with q ~ Exp(1) (the exponential race, equivalent to sampling
-from probs). A request with its own torch.Generator draws its q row from it alone, so a seeded
-request gives the same tokens whatever else shares the batch.
+top_k takes the k best with topk, not a sort. top_p looks only at the best candidates (the k
+best, or the best TOP_P_CANDIDATES for rows without top_k): when they hold p of the mass the
+answer is exact; otherwise (a very flat distribution) it falls back to a sort of the vocabulary.
+
+The draw is by inverse CDF: one uniform per row, the first token (in candidate order) whose
+cumulative mass passes it. Unseeded rows draw their uniforms in one call; a row with its own
+torch.Generator draws from it alone, so a seeded request gives the same tokens whatever shares
+the batch. Sampled tokens and logprobs reach the host in one copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from gpu_worker.outputs import Logprob, TokenLogprobs
-from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.structured_output import apply_grammar_masks
+
+# top_p candidates looked at before falling back to the whole vocabulary.
+TOP_P_CANDIDATES = 256
 
 
 @dataclass
-class SamplingRow:
-    """What the sampler needs of one request that samples this step."""
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: Optional[torch.Generator] = None
-    grammar: Any = None           # structured_output.GrammarState of a constrained request
+class SamplingBatch:
+    """What the sampler needs of the rows that sample this step (row i = logits row i)."""
+    temperature: torch.Tensor                 # [B]; 0 = greedy
+    top_p: torch.Tensor                       # [B]; 1 = off
+    top_k: torch.Tensor                       # [B] float; vocab size = off
+    min_p: torch.Tensor                       # [B]; 0 = off
+    all_greedy: bool
+    any_greedy: bool
+    greedy: Optional[torch.Tensor]            # [B] bool, when rows are mixed
+    top_k_max: int                            # largest k in use, 0 when no row uses top_k
+    any_top_p: bool
+    any_min_p: bool
+    generators: list[tuple[int, torch.Generator]] = field(default_factory=list)
+    # (rows, token ids) to hold back while a row is under min_tokens.
+    min_tokens_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    logit_bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None   # rows, ids, values
+    # (rows, seen in prompt+output [P, V], output counts [P, V], [P, 3] rep/presence/frequency)
+    penalties: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    num_logprobs: Optional[list[int]] = None  # per row, -1 = none; None when no row wants any
+    # Structured output, the one place for per-row token constraints: each row's GrammarState
+    # (None: free) and its output tokens so far; None when no row is constrained.
+    grammars: Optional[list[Any]] = None
+    outputs: Optional[list[list[int]]] = None
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: list[int]):
-        self.eos_token_ids = list(eos_token_ids)
-
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
-        """logits [B, V] fp32, one row per request -> (token ids, logprobs or None per row)."""
-        # Structured output first: a token the grammar forbids is not a candidate at all.
-        apply_grammar_masks(logits, [r.grammar for r in rows], [r.output_token_ids for r in rows])
-        raw_logprobs = None
-        if any(r.params.logprobs is not None for r in rows):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
-        for i, r in enumerate(rows):
-            self._apply_biases(logits[i], r)
-        tokens = self._sample(logits, rows)
-        token_list = tokens.tolist()
-        return token_list, self._logprobs(raw_logprobs, token_list, rows)
-
-    def _apply_biases(self, row: torch.Tensor, r: SamplingRow) -> None:
-        p = r.params
-        if len(r.output_token_ids) < p.min_tokens:
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-            stops = [t for t in stops if 0 <= t < row.shape[0]]
-            if stops:
-                row[stops] = float("-inf")
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias.keys()), device=row.device)
-            row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype,
-                                                device=row.device))
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
-                                dtype=torch.long, device=row.device)
-            if seen.numel():
-                vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                        vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-            counts = torch.bincount(torch.tensor(r.output_token_ids, device=row.device),
-                                    minlength=row.shape[0])[:row.shape[0]].to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        greedy = torch.tensor([r.params.temperature == 0.0 for r in rows], device=logits.device)
-        argmax = logits.argmax(dim=-1)
-        if bool(greedy.all()):
-            return argmax
-        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=logits.device,
-                             dtype=logits.dtype)
-        logits = logits / temps[:, None]
-        logits = _apply_min_p(logits, [r.params.min_p for r in rows])
-        logits = _apply_top_k_top_p(logits, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
-        probs = torch.softmax(logits, dim=-1)
-        q = torch.empty_like(probs)
-        seeded = [r.generator is not None and r.params.temperature != 0.0 for r in rows]
-        if not all(seeded):
-            q.exponential_()
-        for i, r in enumerate(rows):
-            if seeded[i]:
-                q[i].exponential_(generator=r.generator)
-        sampled = (probs / q).argmax(dim=-1)
-        return torch.where(greedy, argmax, sampled)
+        """logits [B, V] fp32 (modified in place) -> (token ids, logprobs or None per row)."""
+        if batch.grammars is not None and batch.outputs is not None:
+            # Before everything else: a token the grammar forbids is not a candidate at all.
+            apply_grammar_masks(logits, batch.grammars, batch.outputs)
+        raw = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
+        logits = self.process(logits, batch)
+        tokens = self.sample(logits, batch)
+        return self._to_host(tokens, raw, batch)
 
     @staticmethod
-    def _logprobs(raw: Optional[torch.Tensor], tokens: list[int],
-                  rows: list[SamplingRow]) -> list[Optional[TokenLogprobs]]:
-        out: list[Optional[TokenLogprobs]] = []
-        for i, r in enumerate(rows):
-            k = r.params.logprobs
-            if k is None:
-                out.append(None)
+    def process(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        """Everything before temperature: constraints, suppression, biases, penalties."""
+        if b.min_tokens_mask is not None:
+            logits[b.min_tokens_mask] = float("-inf")
+        if b.logit_bias is not None:
+            rows, ids, vals = b.logit_bias
+            logits.index_put_((rows, ids), vals, accumulate=True)
+        if b.penalties is not None:
+            rows, seen, counts, p = b.penalties
+            sub = logits[rows]
+            rep = p[:, 0:1]
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+            sub -= p[:, 2:3] * counts + p[:, 1:2] * (counts > 0).to(sub.dtype)
+            logits[rows] = sub
+        return logits
+
+    @staticmethod
+    def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        argmax = logits.argmax(dim=-1) if b.any_greedy else None
+        if b.all_greedy:
+            assert argmax is not None
+            return argmax
+        # Greedy rows divide by 1: their draw is discarded below.
+        temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+        logits = logits / temp[:, None]
+        if b.any_min_p:
+            probs = torch.softmax(logits, dim=-1)
+            threshold = b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        u = _uniforms(probs.shape[0], b.generators, probs.device)
+        if b.top_k_max or b.any_top_p:
+            sampled = _sample_truncated(probs, b, u)
+        else:
+            sampled = _inverse_cdf(probs, u)
+        if b.greedy is not None and argmax is not None:
+            return torch.where(b.greedy, argmax, sampled)
+        return sampled
+
+    @staticmethod
+    def _to_host(tokens: torch.Tensor, raw: Optional[torch.Tensor], b: SamplingBatch
+                 ) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
+        if raw is None or b.num_logprobs is None:
+            return tokens.tolist(), [None] * tokens.shape[0]
+        k = max(b.num_logprobs)
+        parts = [tokens[:, None].double(), raw.gather(1, tokens[:, None]).double()]
+        if k > 0:
+            top_vals, top_ids = raw.topk(k, dim=-1)
+            parts += [top_vals.double(), top_ids.double()]
+        # One host copy; token ids are exact in float64.
+        host = torch.cat(parts, dim=1).tolist()
+        out_tokens, out_lps = [], []
+        for row, want in zip(host, b.num_logprobs):
+            tok = int(row[0])
+            out_tokens.append(tok)
+            if want < 0:
+                out_lps.append(None)
                 continue
-            top = []
-            if k > 0:
-                vals, ids = raw[i].topk(k)
-                top = [Logprob(t, v) for t, v in zip(ids.tolist(), vals.tolist())]
-            out.append(TokenLogprobs(Logprob(tokens[i], raw[i, tokens[i]].item()), top))
-        return out
+            top = [Logprob(int(t), v) for v, t in zip(row[2:2 + want], row[2 + k:2 + k + want])]
+            out_lps.append(TokenLogprobs(Logprob(tok, row[1]), top))
+        return out_tokens, out_lps
 
 
-def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
-    if not any(min_ps):
-        return logits
-    min_p = torch.tensor(min_ps, device=logits.device, dtype=logits.dtype)
-    probs = torch.softmax(logits, dim=-1)
-    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(probs < threshold, float("-inf"))
+def _uniforms(n: int, generators: list[tuple[int, torch.Generator]], device: torch.device) -> torch.Tensor:
+    """One uniform per row: unseeded rows in one call, seeded rows from their own generator."""
+    u = torch.rand(n, device=device)
+    for i, g in generators:
+        u[i] = torch.rand(1, generator=g, device=device)[0]
+    return u
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    ks = [k if 0 < k < vocab else vocab for k in top_ks]
-    if all(k == vocab for k in ks) and all(p >= 1.0 for p in top_ps):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    k = torch.tensor(ks, device=logits.device)
-    # Ascending sort: the k-th largest sits at index vocab - k; everything below it goes.
-    kth = sorted_logits.gather(1, (vocab - k)[:, None])
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    top_p = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum <= 1 - top_p[:, None]
-    drop[:, -1] = False     # the most likely token always stays
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's index whose cumulative mass first exceeds u_i of the row's total: a draw from
+    probs (unnormalised is fine) with one random number per row, not one per token."""
+    cdf = probs.cumsum(dim=-1)
+    x = u[:, None] * cdf[:, -1:]
+    return (cdf <= x).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
+
+
+def _sample_truncated(probs: torch.Tensor, b: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
+    """Draw among each row's best tokens only: the k best (top_k), of which the fewest whose mass
+    reaches p (top_p; the best one always stays). Both cut at a per-row threshold found from the
+    best values alone (topk); the sorted whole vocabulary is needed only when a top_p row without
+    top_k is so flat that its best TOP_P_CANDIDATES do not reach p."""
+    vocab = probs.shape[-1]
+    k_on = b.top_k < vocab
+    if b.top_k_max:
+        best = probs.topk(b.top_k_max, dim=-1).values
+        kth = best.gather(1, (b.top_k.clamp(max=b.top_k_max).long() - 1)[:, None])
+        probs = probs.masked_fill(k_on[:, None] & (probs < kth), 0.0)
+    if b.any_top_p:
+        if bool(k_on.all()):
+            cand = best.masked_fill(best < kth, 0.0)
+        elif vocab <= 4 * TOP_P_CANDIDATES:     # a small vocabulary: sorting costs no more
+            cand = _sorted_values(probs)
+        else:
+            cand = probs.topk(max(TOP_P_CANDIDATES, b.top_k_max), dim=-1).values
+            enough = (cand.sum(dim=-1) >= b.top_p * probs.sum(dim=-1)) | (b.top_p >= 1)
+            if not bool(enough.all()):
+                cand = _sorted_values(probs)
+        # Mass strictly ahead of each candidate: top_p keeps those below p of the kept total.
+        ahead = cand.cumsum(dim=-1) - cand
+        kept = (ahead < b.top_p[:, None] * probs.sum(dim=-1, keepdim=True)).sum(dim=-1).clamp(min=1)
+        cutoff = cand.gather(1, (kept - 1)[:, None])
+        probs = probs.masked_fill((b.top_p[:, None] < 1) & (probs < cutoff), 0.0)
+    return _inverse_cdf(probs, u)
+
+
+def _sorted_values(probs: torch.Tensor) -> torch.Tensor:
+    """Each row's values, largest first. On CPU numpy's sort: torch's measured about ten times
+    slower there (bench/overhead.py, 256 x 640)."""
+    if probs.device.type == "cpu":
+        import numpy as np
+        return torch.from_numpy(np.ascontiguousarray(np.sort(probs.numpy(), axis=-1)[:, ::-1]))
+    return probs.sort(dim=-1, descending=True).values

@@ -14,7 +14,7 @@ from collections import deque
 from typing import Iterable
 
 from gpu_worker.kv_cache_manager import KVCacheManager
-from gpu_worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from gpu_worker.outputs import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
 from gpu_worker.request import Request, RequestStatus
 
 
@@ -66,6 +66,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
+        # Blocks of each running request that the runner has been told about: a step sends
+        # only the ones added since. Absent: the runner holds no row for the request.
+        self.blocks_sent: dict[str, int] = {}
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -147,22 +150,27 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         self.num_preemptions += 1
+        self.blocks_sent.pop(req.req_id, None)
         self.finished_req_ids.add(req.req_id)
         self.waiting.add(req, front=True)
 
     def _output(self, chunks: dict[str, int]) -> SchedulerOutput:
-        scheduled = []
+        scheduled, new = [], []
         for req_id, n in chunks.items():
             req = self.requests[req_id]
             start = req.num_computed_tokens
             self.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
-            scheduled.append(ScheduledRequest(
-                req_id=req_id, token_ids=req.all_token_ids[start:start + n], start_pos=start,
-                block_ids=self.kv.block_ids(req), sample=start + n == req.num_tokens,
-                sampling_params=req.params, prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=req.output_token_ids, generator=req.generator,
-                grammar=req.grammar))
-        out = SchedulerOutput(scheduled=scheduled, finished_req_ids=self.finished_req_ids)
+            blocks = self.kv.req_to_blocks[req_id]
+            sent = self.blocks_sent.get(req_id)
+            if sent is None:
+                new.append(NewRequest(req_id, list(req.all_token_ids), req.num_prompt_tokens,
+                                      req.params, [b.block_id for b in blocks], req.generator,
+                                      req.grammar))
+                sent = len(blocks)
+            added = [b.block_id for b in blocks[sent:]] if len(blocks) > sent else []
+            scheduled.append(ScheduledRequest(req_id, n, start, start + n == req.num_tokens, added))
+            self.blocks_sent[req_id] = len(blocks)
+        out = SchedulerOutput(scheduled=scheduled, new=new, finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         return out
 
@@ -173,7 +181,7 @@ class Scheduler:
             req = self.requests.get(s.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += len(s.token_ids)
+            req.num_computed_tokens += s.num_tokens
             token = result.sampled_token_ids.get(s.req_id)
             if s.sample and token is not None:
                 req.append_output_token(token)
@@ -194,6 +202,7 @@ class Scheduler:
                 self.waiting.remove(req)
             req.status = status
             self.kv.free(req)
+            self.blocks_sent.pop(req_id, None)
             self.finished_req_ids.add(req_id)
             done.append(req)
         return done

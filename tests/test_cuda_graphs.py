@@ -6,8 +6,8 @@ import torch
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, StaticBatch, capture_sizes, padded_size
-from gpu_worker.outputs import ScheduledRequest
 from gpu_worker.sampling_params import SamplingParams
+from tests.plugins.engine import Chunk, fresh_step
 
 
 @pytest.mark.parametrize("max_seqs", [1, 3, 8, 20, 256, 257])
@@ -24,9 +24,20 @@ def test_ladder_and_padding(max_seqs):
 
 
 def decode_step(runner, lens, block_sets):
-    p = SamplingParams()
-    return [ScheduledRequest(f"r{i}", [7 + i], n - 1, blocks, True, p, [], [])
-            for i, (n, blocks) in enumerate(zip(lens, block_sets))]
+    return [Chunk(f"r{i}", [7 + i], n - 1, blocks) for i, (n, blocks) in enumerate(zip(lens, block_sets))]
+
+
+def prepare(runner, chunks):
+    """(input ids, positions, metadata) of a hand-built step, copied out of the runner's staging
+    buffers (the next step reuses them)."""
+    import dataclasses
+    step = fresh_step(runner, chunks)
+    runner.batch.update(step)
+    got = runner.batch.prepare(step.scheduled)
+    meta = dataclasses.replace(got.meta, **{f.name: getattr(got.meta, f.name).clone()
+                                            for f in dataclasses.fields(got.meta)
+                                            if isinstance(getattr(got.meta, f.name), torch.Tensor)})
+    return got.input_ids.clone(), got.positions.clone(), meta
 
 
 def test_padded_staged_step_equals_the_unpadded_step(tiny_model):
@@ -37,7 +48,7 @@ def test_padded_staged_step_equals_the_unpadded_step(tiny_model):
     for k, v in r.kv_caches:  # a pool full of earlier sequences' K/V
         k.copy_(torch.randn(k.shape, generator=gen))
         v.copy_(torch.randn(v.shape, generator=gen))
-    ids, pos, meta, _ = r.prepare(decode_step(r, [5, 17, 9], [[3], [4, 5, 6], [7, 8]]))
+    ids, pos, meta = prepare(r, decode_step(r, [5, 17, 9], [[3], [4, 5, 6], [7, 8]]))
     before = [(k.clone(), v.clone()) for k, v in r.kv_caches]
     with torch.inference_mode():
         want = r.model(ids, pos, meta)
@@ -47,7 +58,7 @@ def test_padded_staged_step_equals_the_unpadded_step(tiny_model):
             v.copy_(v0)
         batch = StaticBatch(8, r.max_model_len, r.block_size, torch.device("cpu"))
         batch.stage(torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64),
-                    r.prepare(decode_step(r, [40] * 8, [[1, 2, 3, 4, 5]] * 8))[2])  # stale rows
+                    prepare(r, decode_step(r, [40] * 8, [[1, 2, 3, 4, 5]] * 8))[2])  # stale rows
         batch.stage(ids, pos, meta)
         got = r.model(*batch.views(padded_size(3, capture_sizes(8))))
     assert got.shape[0] == 4
@@ -61,12 +72,10 @@ def test_only_pure_decode_steps_replay(tiny_model):
     r = ModelRunner(EngineConfig(model=tiny_model, device="cpu", block_size=8, num_kv_blocks=16))
     assert r.graphs is None and not r.uses_graphs()  # CPU: always eager
     graphs = DecodeGraphs(r.model, 2, r.max_model_len, 8, torch.device("cpu"))  # not captured
-    p = SamplingParams()
-    mixed = r.prepare([ScheduledRequest("a", [1, 2], 0, [1], True, p, [], []),
-                       ScheduledRequest("b", [3], 4, [2], True, p, [], [])])
-    assert graphs.run(*mixed[:3]) is None
-    too_many = r.prepare(decode_step(r, [3, 3, 3], [[1], [2], [3]]))
-    assert graphs.run(*too_many[:3]) is None
+    mixed = prepare(r, [Chunk("a", [1, 2], 0, [1]), Chunk("b", [3], 4, [2])])
+    assert graphs.run(*mixed) is None
+    too_many = prepare(r, decode_step(r, [3, 3, 3], [[1], [2], [3]]))
+    assert graphs.run(*too_many) is None
 
 
 def test_enforce_eager_flag():
@@ -92,7 +101,7 @@ def test_graph_replay_matches_eager_gpu(tiny_model):
     prompts = [[5 + i, 9, 11 + i] for i in range(5)]
     outs = []
     for r in (eager, graphed):
-        r.forward([ScheduledRequest(f"r{i}", t, 0, [i], True, p, t, []) for i, t in enumerate(prompts)])
-        outs.append(r.forward([ScheduledRequest(f"r{i}", [3], 3, [i], True, p, prompts[i], [3])
-                               for i in range(5)]))
+        r.forward(fresh_step(r, [Chunk(f"r{i}", t, 0, [i], True, p, t, []) for i, t in enumerate(prompts)]))
+        outs.append(r.forward(fresh_step(r, [Chunk(f"r{i}", [3], 3, [i], True, p, prompts[i], [3])
+                                             for i in range(5)])))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)

@@ -43,16 +43,17 @@ def test_split_kv_follows_the_longest_context(num_seqs, max_seq_len, want):
 
 def test_runner_passes_the_steps_longest_context(tiny_model):
     from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.outputs import ScheduledRequest
+    from tests.plugins.engine import Chunk, fresh_step
     r = ModelRunner(EngineConfig(model=tiny_model, device="cpu", block_size=8, num_kv_blocks=16))
-    steps = [ScheduledRequest("a", [1, 2, 3], 6, [5, 9], True, None, [], []),
-             ScheduledRequest("b", [4], 0, [3], True, None, [], [])]
-    _, _, meta, _ = r.prepare(steps)
+    step = fresh_step(r, [Chunk("a", [1, 2, 3], 6, [5, 9]), Chunk("b", [4], 0, [3])])
+    r.batch.update(step)
+    meta = r.batch.prepare(step.scheduled).meta
     assert meta.max_seq_len == 9 == int(meta.seq_lens.max())
 
 
 def test_llm_defaults_to_auto_device(monkeypatch):
-    assert inspect.signature(LLM).parameters["device"].default == "auto"
+    # LLM takes EngineConfig's keywords, so EngineConfig's default is LLM's.
+    assert "device" not in inspect.signature(LLM).parameters and EngineConfig(model="/x").device == "auto"
     cfg = EngineConfig(model="/x")
     assert cfg.resolved_device() == ("cuda" if torch.cuda.is_available() else "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, simulated

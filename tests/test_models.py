@@ -11,7 +11,7 @@ import transformers
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.outputs import ScheduledRequest, SchedulerOutput
+from tests.plugins.engine import Chunk, fresh_step
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.tiny_model import FAMILIES
 
@@ -47,8 +47,11 @@ def assert_close_rel(got, want, rel=1e-4):
 
 
 def req(rid, token_ids, start, blocks, sample=True, prompt=None, output=(), params=GREEDY):
-    prompt = list(prompt if prompt is not None else token_ids)
-    return ScheduledRequest(rid, list(token_ids), start, list(blocks), sample, params, prompt, list(output))
+    return Chunk(rid, list(token_ids), start, list(blocks), sample, params, prompt, list(output))
+
+
+def forward(runner, chunks):
+    return runner.forward(fresh_step(runner, chunks))
 
 
 def scattered_blocks(n, pool, seed):
@@ -68,10 +71,10 @@ def test_prefill_then_decode_logits_match_hf(tiny_model_factory, hf_models, fami
     decode = 5
     blocks = scattered_blocks(-(-(len(prompt) + decode) // block_size), 16, seed=block_size)
     seq = list(prompt)
-    steps = [runner.forward([req("a", prompt, 0, blocks, prompt=prompt)])[0]]
+    steps = [forward(runner, [req("a", prompt, 0, blocks, prompt=prompt)])[0]]
     for _ in range(decode):
         seq.append(int(steps[-1].argmax()))
-        steps.append(runner.forward([req("a", seq[-1:], len(seq) - 1, blocks, prompt=prompt,
+        steps.append(forward(runner, [req("a", seq[-1:], len(seq) - 1, blocks, prompt=prompt,
                                          output=seq[len(prompt):])])[0])
     want = hf_logits(hf, seq)
     for i, got in enumerate(steps):
@@ -91,13 +94,13 @@ def test_ragged_batch_with_chunked_prefill_over_cached_blocks(tiny_model_factory
     c = [rng.randrange(5, runner.vocab_size) for _ in range(11)]
     a_blocks, b_blocks, c_blocks = [17, 4, 30, 9], [17, 4, 22], [2, 25]
     # Step 1: A's first chunk (no sample) next to C's whole prompt.
-    out1 = runner.forward([req("a", a[:16], 0, a_blocks, sample=False, prompt=a),
+    out1 = forward(runner, [req("a", a[:16], 0, a_blocks, sample=False, prompt=a),
                            req("c", c, 0, c_blocks)])
     assert out1.shape[0] == 1
     assert_close_rel(out1[0], hf_logits(hf, c)[-1])
     c_next = int(out1[0].argmax())
     # Step 2: A's second chunk, B computed over A's two cached blocks, C's first decode.
-    out2 = runner.forward([req("a", a[16:], 16, a_blocks, prompt=a),
+    out2 = forward(runner, [req("a", a[16:], 16, a_blocks, prompt=a),
                            req("b", b[16:], 16, b_blocks, prompt=b),
                            req("c", [c_next], len(c), c_blocks, prompt=c, output=[c_next])])
     assert out2.shape[0] == 3
@@ -118,11 +121,11 @@ def test_greedy_ids_equal_transformers_generate(tiny_model_factory, hf_models, f
                                           do_sample=False, eos_token_id=None, pad_token_id=0)
     want = want[0, len(prompt):].tolist()
     blocks = [6, 1, 3]
-    out = runner.execute(SchedulerOutput([req("g", prompt, 0, blocks)])).sampled_token_ids["g"]
+    out = runner.execute(fresh_step(runner, [req("g", prompt, 0, blocks)])).sampled_token_ids["g"]
     got = [out]
     while len(got) < 20:
         seq = prompt + got
-        step = SchedulerOutput([req("g", [got[-1]], len(seq) - 1, blocks, prompt=prompt, output=got)])
+        step = fresh_step(runner, [req("g", [got[-1]], len(seq) - 1, blocks, prompt=prompt, output=got)])
         got.append(runner.execute(step).sampled_token_ids["g"])
     assert got == want
 
@@ -137,11 +140,11 @@ def test_llama3_rope_scaling_matches_hf(tiny_model_factory):
     runner = make_runner(path, 16, num_blocks=16)
     rng = random.Random(1)
     ids = [rng.randrange(5, runner.vocab_size) for _ in range(150)]
-    got = runner.forward([req("r", ids, 0, list(range(10)))])[0]
+    got = forward(runner, [req("r", ids, 0, list(range(10)))])[0]
     assert_close_rel(got, hf_logits(hf, ids)[-1])
     # The scaling matters at these lengths: the same weights without it give other logits.
     plain = make_runner(tiny_model_factory("llama", seed=5), 16, num_blocks=16)
-    other = plain.forward([req("r", ids, 0, list(range(10)))])[0]
+    other = forward(plain, [req("r", ids, 0, list(range(10)))])[0]
     assert (other - got).abs().max() > 1e-2
 
 
@@ -154,7 +157,7 @@ def test_half_precision_tracks_transformers_in_the_same_dtype(tiny_model, dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch_dtype).eval()
     rng = random.Random(2)
     ids = [rng.randrange(5, half.vocab_size) for _ in range(40)]
-    got = half.forward([req("x", ids, 0, [0, 1, 2])])[0]
+    got = forward(half, [req("x", ids, 0, [0, 1, 2])])[0]
     assert got.dtype == torch.float32
     want = hf_logits(hf, ids)[-1]
     # Rounding differs (fused projections), so only a loose bound; fp32 is the exact path.
@@ -220,13 +223,19 @@ def test_bad_checkpoints_are_named(tiny_model, tmp_path):
 
 def test_slot_mapping_and_metadata_layout(tiny_model):
     r = make_runner(tiny_model, 8, num_blocks=16)
-    ids, pos, meta, rows = r.prepare([req("a", [1, 2, 3], 6, [5, 9]), req("b", [4], 0, [3], sample=False)])
-    assert pos.tolist() == [6, 7, 8, 0]
+    step = fresh_step(r, [req("a", [1, 2, 3], 6, [5, 9]), req("b", [4], 0, [3], sample=False)])
+    r.batch.update(step)
+    got = r.batch.prepare(step.scheduled)
+    meta = got.meta
+    assert got.input_ids.tolist() == [1, 2, 3, 4] and got.positions.tolist() == [6, 7, 8, 0]
     assert meta.slot_mapping.tolist() == [5 * 8 + 6, 5 * 8 + 7, 9 * 8 + 0, 3 * 8]
     assert meta.seq_lens.tolist() == [9, 1] and meta.query_start_loc.tolist() == [0, 3, 4]
-    assert meta.block_tables.tolist() == [[5, 9], [3, 0]] and rows == [2]
+    # The table is as wide as this step's longest sequence needs.
+    assert meta.block_tables.tolist() == [[5, 9], [3, 0]] and got.logits_indices.tolist() == [2]
+    step = fresh_step(r, [req("a", [1, 2, 3], 7, [5])])
+    r.batch.update(step)
     with pytest.raises(ValueError, match="block_ids"):
-        r.prepare([req("a", [1, 2, 3], 7, [5])])
+        r.batch.prepare(step.scheduled)
 
 
 def test_cuda_runner_matches_cpu(tiny_model_factory):
@@ -239,8 +248,8 @@ def test_cuda_runner_matches_cpu(tiny_model_factory):
         assert 0 < gpu.num_blocks_for()
         gpu.allocate_kv_cache(16)
         ids = list(range(30, 75))
-        a = cpu.forward([req("x", ids[:40], 0, [3, 7, 1]), req("y", ids, 0, [4, 8, 2, 5])])
-        b = gpu.forward([req("x", ids[:40], 0, [3, 7, 1]), req("y", ids, 0, [4, 8, 2, 5])]).cpu()
+        a = forward(cpu, [req("x", ids[:40], 0, [3, 7, 1]), req("y", ids, 0, [4, 8, 2, 5])])
+        b = forward(gpu, [req("x", ids[:40], 0, [3, 7, 1]), req("y", ids, 0, [4, 8, 2, 5])]).cpu()
         assert_close_rel(b, a, rel=1e-3)
 
 
@@ -248,8 +257,8 @@ _TRITON_TWIN = """
 import random, sys, torch
 from gpu_worker.config import EngineConfig
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.outputs import ScheduledRequest
 from gpu_worker.sampling_params import SamplingParams
+from tests.plugins.engine import Chunk, fresh_step
 outs = []
 for backend in ("torch", "triton"):
     r = ModelRunner(EngineConfig(model=sys.argv[1], device="cpu", block_size=8, attention_backend=backend))
@@ -261,10 +270,10 @@ for backend in ("torch", "triton"):
     a = [rng.randrange(5, r.vocab_size) for _ in range(21)]
     b = [rng.randrange(5, r.vocab_size) for _ in range(9)]
     p = SamplingParams()
-    step1 = r.forward([ScheduledRequest("a", a[:16], 0, [3, 5, 7], False, p, a, []),
-                       ScheduledRequest("b", b, 0, [1, 2], True, p, b, [])])
-    step2 = r.forward([ScheduledRequest("a", a[16:], 16, [3, 5, 7], True, p, a, []),
-                       ScheduledRequest("b", [4], 9, [1, 2], True, p, b, [4])])
+    step1 = r.forward(fresh_step(r, [Chunk("a", a[:16], 0, [3, 5, 7], False, p, a, []),
+                                     Chunk("b", b, 0, [1, 2], True, p, b, [])]))
+    step2 = r.forward(fresh_step(r, [Chunk("a", a[16:], 16, [3, 5, 7], True, p, a, []),
+                                     Chunk("b", [4], 9, [1, 2], True, p, b, [4])]))
     outs.append(torch.cat([step1, step2]))
 err, scale = (outs[0] - outs[1]).abs().max().item(), outs[0].abs().max().item()
 assert err <= 1e-4 * scale, (err, scale)

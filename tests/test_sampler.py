@@ -1,14 +1,19 @@
-"""Sampler semantics (vLLM's) on hand-made logits, and seeded sampling through the runner."""
+"""Sampler semantics (vLLM's) on hand-made logits, and seeded sampling through the runner.
+
+Rows reach the sampler as the runner builds them: through the persistent batch."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from gpu_worker.config import EngineConfig
+from gpu_worker.input_batch import InputBatch
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.outputs import ScheduledRequest, SchedulerOutput
-from gpu_worker.sampler import Sampler, SamplingRow
+from gpu_worker.outputs import NewRequest, SchedulerOutput
+from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
+from tests.plugins.engine import Chunk, fresh_step
 
 V = 8
 EOS = 7
@@ -16,11 +21,22 @@ BASE = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -1.5])
 
 
 def row(prompt=(), output=(), generator=None, **kw):
-    return SamplingRow(SamplingParams(**kw), list(prompt), list(output), generator)
+    return SamplingParams(**kw), list(prompt), list(output), generator
+
+
+def batch_of(rows):
+    ib = InputBatch(len(rows), 64, 64, 8, V, [EOS], torch.device("cpu"))
+    ib.update(SchedulerOutput([], new=[NewRequest(f"r{i}", prompt + output, len(prompt), params, [], gen)
+                                       for i, (params, prompt, output, gen) in enumerate(rows)]))
+    return ib.sampling_batch(np.arange(len(rows)))
 
 
 def sample(logits, rows):
-    return Sampler([EOS])(logits.clone().float(), rows)
+    return Sampler()(logits.clone().float(), batch_of(rows))
+
+
+def process(logits, r):
+    return Sampler.process(logits.clone().float()[None], batch_of([r]))[0]
 
 
 def frequencies(logits, n=6000, **kw):
@@ -66,20 +82,16 @@ def test_min_p_drops_tokens_below_fraction_of_best():
 
 def test_repetition_penalty_over_prompt_and_output():
     logits = torch.tensor([3.0, 2.9, -1.0, -1.1, -5, -5, -5, -5])
-    s = Sampler([EOS])
     assert sample(logits[None], [row(temperature=0, prompt=[0], repetition_penalty=1.2)])[0] == [1]
     assert sample(logits[None], [row(temperature=0, output=[0], repetition_penalty=1.2)])[0] == [1]
     assert sample(logits[None], [row(temperature=0, prompt=[5], repetition_penalty=1.2)])[0] == [0]
     # Negative logits are multiplied (pushed down), positive divided.
-    r = logits.clone()
-    s._apply_biases(r, row(prompt=[0, 2], repetition_penalty=2.0))
+    r = process(logits, row(prompt=[0, 2], repetition_penalty=2.0))
     assert r[0] == 1.5 and r[2] == -2.0 and r[3] == -1.1
 
 
 def test_presence_and_frequency_penalties_count_output_only():
-    s = Sampler([EOS])
-    r = BASE.clone()
-    s._apply_biases(r, row(prompt=[1, 1, 1], output=[0, 0, 3], presence_penalty=0.5, frequency_penalty=0.25))
+    r = process(BASE, row(prompt=[1, 1, 1], output=[0, 0, 3], presence_penalty=0.5, frequency_penalty=0.25))
     assert r[0] == 2.0 - 0.5 - 0.5 and r[3] == 0.5 - 0.5 - 0.25 and r[1] == 1.5
     tokens, _ = sample(BASE[None], [row(temperature=0, output=[0, 0], frequency_penalty=0.3)])
     assert tokens == [1]
@@ -144,28 +156,24 @@ def runner(tiny_model):
 
 
 def decode(runner, rid, prompt, blocks, params, steps, others=(), preempt_at=None, generator=None):
-    """Run one request for `steps` tokens, next to `others` (each (rid, prompt, blocks))."""
+    """Run one request for `steps` tokens, next to `others` (each (rid, prompt, blocks)); every
+    step is hand-built, so each request re-enters the batch (as after a preemption)."""
     out = []
     neighbour_out = {o[0]: [] for o in others}
     for step in range(steps):
-        sched, finished = [], set()
-        if step == preempt_at:
-            runner.execute(SchedulerOutput([], finished_req_ids={rid}))
         recompute = step == preempt_at
         seq = prompt + out
         start = 0 if step == 0 or recompute else len(seq) - 1
-        sched.append(ScheduledRequest(rid, seq[start:], start, blocks, True, params, prompt, list(out),
-                                      generator))
+        chunks = [Chunk(rid, seq[start:], start, blocks, True, params, prompt, list(out), generator)]
         for orid, oprompt, oblocks in others:
             oseq = oprompt + neighbour_out[orid]
             ostart = 0 if step == 0 else len(oseq) - 1
-            sched.append(ScheduledRequest(orid, oseq[ostart:], ostart, oblocks, True,
-                                          SamplingParams(temperature=1.0), oprompt, neighbour_out[orid]))
-        res = runner.execute(SchedulerOutput(sched, finished_req_ids=finished)).sampled_token_ids
+            chunks.append(Chunk(orid, oseq[ostart:], ostart, oblocks, True, SamplingParams(temperature=1.0),
+                                oprompt, neighbour_out[orid]))
+        res = runner.execute(fresh_step(runner, chunks)).sampled_token_ids
         out.append(res[rid])
         for orid in neighbour_out:
             neighbour_out[orid].append(res[orid])
-    runner.execute(SchedulerOutput([], finished_req_ids={rid} | set(neighbour_out)))
     return out
 
 
@@ -198,11 +206,9 @@ def test_recompute_after_preemption_continues_the_random_stream(runner):
 
 def test_runner_reports_logprobs_and_only_sampling_rows(runner):
     params = SamplingParams(temperature=0, logprobs=5)
-    out = runner.execute(SchedulerOutput([
-        ScheduledRequest("l", PROMPT, 0, [0, 1, 2], True, params, PROMPT, []),
-        ScheduledRequest("m", PROMPT[:8], 0, [3], False, params, PROMPT, [])]))
+    out = runner.execute(fresh_step(runner, [Chunk("l", PROMPT, 0, [0, 1, 2], True, params, PROMPT, []),
+                                             Chunk("m", PROMPT[:8], 0, [3], False, params, PROMPT, [])]))
     assert set(out.sampled_token_ids) == {"l"} and set(out.logprobs) == {"l"}
     lp = out.logprobs["l"]
     assert lp.sampled.token_id == out.sampled_token_ids["l"] == lp.top[0].token_id
     assert len(lp.top) == 5
-    runner.execute(SchedulerOutput([], finished_req_ids={"l", "m"}))

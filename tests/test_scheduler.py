@@ -29,7 +29,7 @@ def run_step(s, token=7):
 
 
 def chunks(out):
-    return [(x.req_id, len(x.token_ids), x.start_pos, x.sample) for x in out.scheduled]
+    return [(x.req_id, x.num_tokens, x.start_pos, x.sample) for x in out.scheduled]
 
 
 def test_chunked_prefill_respects_budget_then_decodes():
@@ -39,7 +39,7 @@ def test_chunked_prefill_respects_budget_then_decodes():
     assert chunks(run_step(s)) == [("a", 8, 8, False)]
     out = run_step(s)
     assert chunks(out) == [("a", 4, 16, True)]
-    assert out.scheduled[0].block_ids == [0, 1, 2, 3, 4]
+    assert s.kv.block_ids(s.requests["a"]) == [0, 1, 2, 3, 4]
     assert s.requests["a"].output_token_ids == [7]
     assert chunks(run_step(s)) == [("a", 1, 20, True)]
     assert s.num_prompt_tokens == 20
@@ -105,7 +105,7 @@ def test_preempted_request_recomputes_prompt_and_outputs():
     out = run_step(s)
     # Recompute covers the prompt and the token sampled before preemption.
     assert chunks(out) == [("b", 5, 0, True)]
-    assert out.scheduled[0].token_ids == s.requests["b"].all_token_ids[:5]
+    assert [n.token_ids for n in out.new] == [s.requests["b"].all_token_ids[:5]]
 
 
 def test_self_preemption_when_victim_is_the_request():

@@ -36,7 +36,8 @@ def test_plan_steps_are_valid_runner_batches(tiny_model):
         batch = r.warmup_batch(step)
         logits = r.forward(batch)
         assert logits.shape == (step.num_seqs, r.vocab_size)
-        _, pos, meta, _ = r.prepare(batch)
+        got = r.batch.prepare(batch.scheduled)
+        pos, meta = got.positions, got.meta
         assert int(pos.max()) + 1 == min(step.seq_len, 70 * 16) == meta.max_seq_len
         assert (pos.numel() == step.num_seqs) == step.decode
     r.warm_up()  # on CPU nothing compiles: a no-op, not an error

@@ -1,5 +1,7 @@
-"""Engine fixtures: a leak check for every engine a test builds, and tiny offline LLMs."""
+"""Engine fixtures: a leak check for every engine a test builds, tiny offline LLMs, and
+hand-built runner steps."""
 import time
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -57,3 +59,38 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@dataclass
+class Chunk:
+    """A hand-built share of a step, self-contained: the tokens computed (token_ids, sitting
+    at start_pos), the whole block table, and the prompt/output that penalties read."""
+    req_id: str
+    token_ids: list
+    start_pos: int
+    block_ids: list
+    sample: bool = True
+    params: object = None
+    prompt: list = None
+    output: list = field(default_factory=list)
+    generator: object = None
+
+
+def fresh_step(runner, chunks):
+    """A SchedulerOutput in which every chunk's request enters the runner's persistent batch
+    afresh (rows left from earlier steps are dropped), so tests can hand-build each step."""
+    from gpu_worker.outputs import NewRequest, ScheduledRequest, SchedulerOutput
+    from gpu_worker.sampling_params import SamplingParams
+    new, scheduled = [], []
+    for c in chunks:
+        prompt = list(c.prompt if c.prompt is not None else c.token_ids)
+        known, n_prompt = prompt + list(c.output), len(prompt)
+        end = c.start_pos + len(c.token_ids)
+        if known[c.start_pos:end] != list(c.token_ids) or (end == len(known)) != c.sample:
+            # Only the chunk's tokens matter to the model; pad the rest of the row.
+            known = [0] * c.start_pos + list(c.token_ids) + ([] if c.sample else [0])
+            n_prompt = len(known)
+        new.append(NewRequest(c.req_id, known, n_prompt, c.params or SamplingParams(temperature=0.0),
+                              list(c.block_ids), c.generator))
+        scheduled.append(ScheduledRequest(c.req_id, len(c.token_ids), c.start_pos, c.sample, []))
+    return SchedulerOutput(scheduled, new=new, finished_req_ids=set(runner.batch.req_ids))

@@ -1,0 +1,292 @@
+"""The runner's persistent batch: one row per running request, kept between steps.
+
+Rows live in preallocated numpy arrays (token ids, progress, block table, sampling
+parameters); rows [0, num_reqs) are in use, and a leaving request's row is filled by the
+last one, so the used rows stay a dense prefix. A step brings only what changed (new
+requests, new block ids, departures); the runner appends the tokens it samples itself.
+
+Step inputs are built with vectorised numpy into fixed staging buffers (pinned on CUDA)
+and copied to the device once, into fixed device buffers of which a step uses a prefix:
+shapes that CUDA graphs can capture later.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from gpu_worker.attention import AttentionMetadata
+from gpu_worker.outputs import NewRequest, ScheduledRequest, SchedulerOutput
+from gpu_worker.sampler import SamplingBatch
+from gpu_worker.sampling_params import MAX_STOP_STRINGS
+
+# Columns of the per-row float parameter table; gathered and copied in one piece per step.
+TEMPERATURE, TOP_P, TOP_K, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(7)
+NUM_PARAMS = 7
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor         # [T] on the device
+    positions: torch.Tensor         # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor    # [B]: the token rows whose logits are sampled
+    sample_rows: np.ndarray         # [B]: the batch rows that sample, in logits order
+    req_ids: list[str]              # [B]: their request ids
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_tokens: int, block_size: int,
+                 vocab_size: int, eos_token_ids: list[int], device: torch.device):
+        self.max_rows, self.max_len, self.block_size = max_num_seqs, max_model_len, block_size
+        self.vocab_size, self.device = vocab_size, device
+        self.eos = list(eos_token_ids)
+        self.max_blocks = -(-max_model_len // block_size)
+        r = max_num_seqs
+        self.req_ids: list[str] = []
+        self.row_of: dict[str, int] = {}
+        # + 1: a prompt of max_model_len tokens still samples one.
+        self.token_ids = np.zeros((r, max_model_len + 1), np.int64)
+        self.num_tokens = np.zeros(r, np.int64)         # known tokens
+        self.num_computed = np.zeros(r, np.int64)       # tokens whose KV is written
+        self.num_prompt = np.zeros(r, np.int64)
+        self.block_table = np.zeros((r, self.max_blocks), np.int32)
+        self.num_blocks = np.zeros(r, np.int64)
+        self.params = np.zeros((r, NUM_PARAMS), np.float32)
+        self.min_tokens = np.zeros(r, np.int64)
+        self.num_logprobs = np.full(r, -1, np.int64)   # -1: none wanted
+        # Tokens that min_tokens holds back (stop ids, EOS unless ignored); -1 pads.
+        self.stop_ids = np.full((r, MAX_STOP_STRINGS + len(self.eos)), -1, np.int64)
+        self.generators: dict[int, torch.Generator] = {}
+        self.grammars: dict[int, Any] = {}              # row -> structured_output.GrammarState
+        self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}
+        self._alloc_buffers(max_num_tokens)
+
+    def _alloc_buffers(self, max_tokens: int) -> None:
+        pin = self.device.type == "cuda"
+        r, mb = self.max_rows, self.max_blocks
+
+        def host(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, pin_memory=pin)
+
+        # One int64 staging area: ids | positions | slots | logits indices; one int32 area:
+        # query_start_loc | seq_lens | block table. Two copies per step.
+        self._i64_sizes = (max_tokens, max_tokens, max_tokens, r)
+        self._i32_sizes = (r + 1, r, r * mb)
+        self.host_i64 = host(sum(self._i64_sizes), torch.int64)
+        self.host_i32 = host(sum(self._i32_sizes), torch.int32)
+        self.host_params = host(r * NUM_PARAMS, torch.float32)
+        if pin:
+            self.dev_i64 = torch.zeros_like(self.host_i64, device=self.device)
+            self.dev_i32 = torch.zeros_like(self.host_i32, device=self.device)
+            self.dev_params = torch.zeros_like(self.host_params, device=self.device)
+        else:
+            self.dev_i64, self.dev_i32, self.dev_params = self.host_i64, self.host_i32, self.host_params
+        self.np_i64, self.np_i32 = self.host_i64.numpy(), self.host_i32.numpy()
+        self.np_params = self.host_params.numpy()
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    # ---- rows in and out ------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_req_ids:
+            self._remove(rid)
+        for new in out.new:
+            self._add(new)
+        for s in out.scheduled:
+            if s.new_block_ids:
+                row = self.row_of[s.req_id]
+                n = int(self.num_blocks[row])
+                self.block_table[row, n:n + len(s.new_block_ids)] = s.new_block_ids
+                self.num_blocks[row] = n + len(s.new_block_ids)
+
+    def _add(self, new: NewRequest) -> None:
+        if new.req_id in self.row_of:
+            self._remove(new.req_id)
+        if self.num_reqs >= self.max_rows:
+            raise ValueError(f"max_num_seqs: the batch already holds {self.max_rows} requests")
+        row = self.num_reqs
+        self.req_ids.append(new.req_id)
+        self.row_of[new.req_id] = row
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.num_tokens[row], self.num_prompt[row], self.num_computed[row] = n, new.num_prompt_tokens, 0
+        nb = len(new.block_ids)
+        self.block_table[row, :nb] = new.block_ids
+        self.num_blocks[row] = nb
+        p = new.sampling_params
+        if p is None:       # a profiling row: greedy, nothing else
+            self.params[row] = (0.0, 1.0, self.vocab_size, 0.0, 1.0, 0.0, 0.0)
+            self.min_tokens[row], self.num_logprobs[row] = 0, -1
+            self.stop_ids[row] = -1
+            return
+        top_k = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
+        self.params[row] = (p.temperature, p.top_p, top_k, p.min_p, p.repetition_penalty,
+                            p.presence_penalty, p.frequency_penalty)
+        self.min_tokens[row] = p.min_tokens
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        stops = list(dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos)))
+        self.stop_ids[row] = -1
+        self.stop_ids[row, :len(stops)] = stops
+        if new.generator is not None and p.temperature != 0.0:
+            self.generators[row] = new.generator
+        if new.grammar is not None:
+            self.grammars[row] = new.grammar
+        if p.logit_bias:
+            self.logit_bias[row] = (list(p.logit_bias), [float(v) for v in p.logit_bias.values()])
+
+    def _remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is None:
+            return
+        last = self.num_reqs - 1
+        for extra in (self.generators, self.grammars, self.logit_bias):
+            extra.pop(row, None)
+        if row != last:
+            # The last row fills the hole, so that rows stay a dense prefix.
+            moved = self.req_ids[last]
+            n = int(self.num_tokens[last])
+            self.token_ids[row, :n] = self.token_ids[last, :n]
+            nb = int(self.num_blocks[last])
+            self.block_table[row, :nb] = self.block_table[last, :nb]
+            for a in (self.num_tokens, self.num_computed, self.num_prompt, self.num_blocks,
+                      self.params, self.min_tokens, self.num_logprobs, self.stop_ids):
+                a[row] = a[last]
+            for extra in (self.generators, self.grammars, self.logit_bias):
+                if last in extra:
+                    extra[row] = extra.pop(last)
+            self.req_ids[row] = moved
+            self.row_of[moved] = row
+        self.req_ids.pop()
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        """Flatten a step (in the scheduler's order) into device tensors, with vectorised numpy."""
+        s = len(scheduled)
+        rows = np.fromiter((self.row_of[x.req_id] for x in scheduled), np.int64, s)
+        n = np.fromiter((x.num_tokens for x in scheduled), np.int64, s)
+        start = np.fromiter((x.start_pos for x in scheduled), np.int64, s)
+        self.num_computed[rows] = start
+        seq_lens = start + n
+        bs = self.block_size
+        short = seq_lens > self.num_blocks[rows] * bs
+        if short.any():
+            i = int(np.argmax(short))
+            raise ValueError(f"block_ids: request {scheduled[i].req_id} needs {-(-int(seq_lens[i]) // bs)} "
+                             f"blocks for {int(seq_lens[i])} tokens, has {int(self.num_blocks[rows[i]])}")
+        cu = np.cumsum(n)
+        t = int(cu[-1])
+        seq_of = np.repeat(np.arange(s), n)
+        pos = start[seq_of] + np.arange(t) - (cu - n)[seq_of]
+        row_of_tok = rows[seq_of]
+        sample = seq_lens == self.num_tokens[rows]
+        sample_seq = np.flatnonzero(sample)
+        b = len(sample_seq)
+        mb = int(-(-seq_lens.max() // bs))
+
+        i64, (o_ids, o_pos, o_slot, o_lg) = self.np_i64, np.cumsum((0,) + self._i64_sizes[:-1])
+        i64[o_ids:o_ids + t] = self.token_ids[row_of_tok, pos]
+        i64[o_pos:o_pos + t] = pos
+        i64[o_slot:o_slot + t] = self.block_table[row_of_tok, pos // bs].astype(np.int64) * bs + pos % bs
+        i64[o_lg:o_lg + b] = cu[sample_seq] - 1
+        i32, (o_qsl, o_len, o_bt) = self.np_i32, np.cumsum((0,) + self._i32_sizes[:-1])
+        i32[o_qsl] = 0
+        i32[o_qsl + 1:o_qsl + 1 + s] = cu
+        i32[o_len:o_len + s] = seq_lens
+        i32[o_bt:o_bt + s * mb] = self.block_table[rows, :mb].reshape(-1)
+        d64, d32 = self._to_device(self.dev_i64, self.host_i64, o_lg + b), \
+            self._to_device(self.dev_i32, self.host_i32, o_bt + s * mb)
+        # Advance progress now: this step's KV is written by the forward that follows.
+        self.num_computed[rows] = seq_lens
+        meta = AttentionMetadata(slot_mapping=d64[o_slot:o_slot + t],
+                                 block_tables=d32[o_bt:o_bt + s * mb].view(s, mb),
+                                 seq_lens=d32[o_len:o_len + s], query_start_loc=d32[o_qsl:o_qsl + s + 1],
+                                 max_seq_len=int(seq_lens.max()))
+        return StepInputs(d64[o_ids:o_ids + t], d64[o_pos:o_pos + t], meta, d64[o_lg:o_lg + b],
+                          rows[sample_seq], [scheduled[i].req_id for i in sample_seq])
+
+    def _to_device(self, dev: torch.Tensor, host: torch.Tensor, n: int) -> torch.Tensor:
+        if dev is not host:
+            dev[:n].copy_(host[:n], non_blocking=True)
+        return dev
+
+    def append_sampled(self, rows: np.ndarray, tokens: list[int]) -> None:
+        self.token_ids[rows, self.num_tokens[rows]] = tokens
+        self.num_tokens[rows] += 1
+
+    # ---- sampling inputs ---------------------------------------------------------------------
+
+    def sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
+        """The sampler's view of the sampling rows: parameters in one device copy, and the
+        sparse extras (seeds, logit_bias, min_tokens, penalties) only for rows that use them."""
+        b = len(rows)
+        p = self.params[rows]
+        self.np_params[:b * NUM_PARAMS] = p.reshape(-1)
+        dev = self._to_device(self.dev_params, self.host_params, b * NUM_PARAMS)[:b * NUM_PARAMS].view(b, NUM_PARAMS)
+        greedy = p[:, TEMPERATURE] == 0.0
+        batch = SamplingBatch(
+            temperature=dev[:, TEMPERATURE], top_p=dev[:, TOP_P], top_k=dev[:, TOP_K], min_p=dev[:, MIN_P],
+            all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
+            greedy=None if greedy.all() or not greedy.any() else torch.from_numpy(greedy).to(self.device),
+            top_k_max=int(p[:, TOP_K].max()) if (p[:, TOP_K] < self.vocab_size).any() else 0,
+            any_top_p=bool((p[:, TOP_P] < 1.0).any()), any_min_p=bool((p[:, MIN_P] > 0).any()),
+            generators=[(i, self.generators[r]) for i, r in enumerate(rows.tolist()) if r in self.generators]
+            if self.generators else [])
+        out_len = self.num_tokens[rows] - self.num_prompt[rows]
+        held = np.flatnonzero(out_len < self.min_tokens[rows])
+        if len(held):
+            ids = self.stop_ids[rows[held]]
+            i, j = np.nonzero(ids >= 0)
+            batch.min_tokens_mask = (torch.from_numpy(held[i]).to(self.device),
+                                     torch.from_numpy(ids[i, j]).to(self.device))
+        if self.logit_bias:
+            batch.logit_bias = self._logit_bias(rows)
+        pen = np.flatnonzero((p[:, REPETITION] != 1.0) | (p[:, PRESENCE] != 0.0) | (p[:, FREQUENCY] != 0.0))
+        if len(pen):
+            batch.penalties = self._penalties(rows, pen, dev)
+        if self.grammars:
+            states = [self.grammars.get(r) for r in rows.tolist()]
+            if any(st is not None for st in states):
+                batch.grammars = states
+                batch.outputs = [self.token_ids[r, self.num_prompt[r]:self.num_tokens[r]].tolist()
+                                 if st is not None else [] for r, st in zip(rows.tolist(), states)]
+        k = self.num_logprobs[rows]
+        if (k >= 0).any():
+            batch.num_logprobs = k.tolist()
+        return batch
+
+    def _logit_bias(self, rows: np.ndarray) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        r, t, v = [], [], []
+        for i, row in enumerate(rows.tolist()):
+            if row in self.logit_bias:
+                ids, vals = self.logit_bias[row]
+                r.extend([i] * len(ids))
+                t.extend(ids)
+                v.extend(vals)
+        if not r:
+            return None
+        return (torch.tensor(r, device=self.device), torch.tensor(t, device=self.device),
+                torch.tensor(v, dtype=torch.float32, device=self.device))
+
+    def _penalties(self, rows: np.ndarray, pen: np.ndarray, dev: torch.Tensor):
+        """(batch indices, prompt+output presence [P, V] bool, output counts [P, V], params)."""
+        prow = rows[pen]
+        length = int(self.num_tokens[prow].max())
+        toks = self.token_ids[prow, :length]
+        col = np.arange(length)[None, :]
+        valid = col < self.num_tokens[prow][:, None]
+        is_out = valid & (col >= self.num_prompt[prow][:, None])
+        v = self.vocab_size
+        all_ids = torch.from_numpy(np.where(valid, toks, v)).to(self.device)
+        out_ids = torch.from_numpy(np.where(is_out, toks, v)).to(self.device)
+        ones = torch.ones(all_ids.shape, dtype=torch.float32, device=self.device)
+        seen = torch.zeros(len(prow), v + 1, device=self.device).scatter_add_(1, all_ids, ones)[:, :v] > 0
+        counts = torch.zeros(len(prow), v + 1, device=self.device).scatter_add_(1, out_ids, ones)[:, :v]
+        idx = torch.from_numpy(pen).to(self.device)
+        return idx, seen, counts, dev[idx][:, REPETITION:FREQUENCY + 1]
