@@ -43,34 +43,38 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self.num_free
 
+    # Every block in the list, sentinels aside, has both links set: the asserts narrow types.
     def popleft(self) -> KVCacheBlock:
-        if self.num_free == 0:
-            raise ValueError("no free blocks")
         block = self._head.next_free
+        if self.num_free == 0 or block is None:
+            raise ValueError("no free blocks")
         self.remove(block)
         return block
 
     def remove(self, block: KVCacheBlock) -> None:
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, block
+        prev.next_free, nxt.prev_free = nxt, prev
         block.prev_free = block.next_free = None
         self.num_free -= 1
 
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free
+        assert last is not None
         last.next_free, block.prev_free = block, last
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_free += 1
 
     def appendleft(self, block: KVCacheBlock) -> None:
         first = self._head.next_free
+        assert first is not None
         self._head.next_free, block.prev_free = block, self._head
         block.next_free, first.prev_free = first, block
         self.num_free += 1
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         b = self._head.next_free
-        while b is not self._tail:
+        while b is not None and b is not self._tail:
             yield b
             b = b.next_free
 

@@ -8,6 +8,7 @@ could still become a stop string is held back.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 # Prompt tokens used as the first window, so the first output token decodes in context.
@@ -15,7 +16,7 @@ _CONTEXT_TOKENS = 5
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] = (),
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])

@@ -32,7 +32,7 @@ class LLMEngine:
         self.config = config
         self.runner = ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
-        self.model_name = config.served_model_name
+        self.model_name: str = config.served_model_name or config.model
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = list(self.runner.eos_token_ids)

@@ -145,7 +145,8 @@ class InputBatch:
         if row is None:
             return
         last = self.num_reqs - 1
-        for extra in (self.generators, self.grammars, self.logit_bias):
+        extras: tuple[dict[int, Any], ...] = (self.generators, self.grammars, self.logit_bias)
+        for extra in extras:
             extra.pop(row, None)
         if row != last:
             # The last row fills the hole, so that rows stay a dense prefix.
@@ -157,7 +158,7 @@ class InputBatch:
             for a in (self.num_tokens, self.num_computed, self.num_prompt, self.num_blocks,
                       self.params, self.min_tokens, self.num_logprobs, self.stop_ids):
                 a[row] = a[last]
-            for extra in (self.generators, self.grammars, self.logit_bias):
+            for extra in extras:
                 if last in extra:
                     extra[row] = extra.pop(last)
             self.req_ids[row] = moved

@@ -22,20 +22,20 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of `prompts`."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        batch: list = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) \
+            else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                  else [sampling_params] * len(prompts))
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        params: list[SamplingParams] = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                                        else [sampling_params] * len(batch))  # type: ignore[list-item]
+        if len(params) != len(batch):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
         outputs: dict[str, RequestOutput] = {}
         added = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p in zip(batch, params):
                 text = prompt if isinstance(prompt, str) else None
-                ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+                ids: list[int] = self.tokenizer.encode(prompt) if text is not None else list(prompt)
                 rid = f"llm-{next(self._ids)}"
                 self.engine.add_request(rid, ids, p)
                 added.append(rid)

@@ -138,7 +138,8 @@ class ModelRunner:
         # The worst step: max_num_batched_tokens of prefill, cut into sequences of at most
         # max_model_len tokens, each with its own blocks.
         seq_len = min(self.config.token_budget(self.max_model_len), self.max_model_len)
-        lens, left = [], self.config.token_budget(self.max_model_len)
+        lens: list[int] = []
+        left = self.config.token_budget(self.max_model_len)
         while left > 0 and len(lens) < self.config.max_num_seqs:
             lens.append(min(left, seq_len))
             left -= lens[-1]

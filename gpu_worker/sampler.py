@@ -119,7 +119,8 @@ class Sampler:
             parts += [top_vals.double(), top_ids.double()]
         # One host copy; token ids are exact in float64.
         host = torch.cat(parts, dim=1).tolist()
-        out_tokens, out_lps = [], []
+        out_tokens: list[int] = []
+        out_lps: list[Optional[TokenLogprobs]] = []
         for row, want in zip(host, b.num_logprobs):
             tok = int(row[0])
             out_tokens.append(tok)

@@ -11,9 +11,9 @@ import transformers
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.model_runner import ModelRunner
-from tests.plugins.engine import Chunk, fresh_step
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.tiny_model import FAMILIES
+from tests.plugins.engine import Chunk, fresh_step
 
 GREEDY = SamplingParams(temperature=0.0)
 
