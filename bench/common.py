@@ -150,31 +150,6 @@ class KVSampler:
         return sum(self.allocated) / len(self.allocated) / self.capacity_tokens
 
 
-def hook_pagoda_kv(engine, sampler: KVSampler, clock) -> None:
-    """Sample pagoda's KV usage once per model step, by wrapping the runner's execute.
-
-    At that moment the scheduler has allocated this step's blocks; a request's stored
-    tokens after the forward are its computed tokens plus those scheduled now. Shared
-    blocks (prefix hits, n > 1) count once in `allocated`.
-    """
-    runner = engine.runner
-    kv = engine.kv
-    requests = engine.scheduler.requests
-    inner = runner.execute
-
-    def execute(out):
-        now = {s.req_id: s.start_pos + len(s.token_ids) for s in out.scheduled}
-        stored, blocks = 0, set()
-        for rid, blk in kv.req_to_blocks.items():
-            req = requests.get(rid)
-            stored += now.get(rid, req.num_computed_tokens if req is not None else 0)
-            blocks.update(b.block_id for b in blk)
-        sampler.add(stored, len(blocks) * kv.block_size, clock())
-        return inner(out)
-
-    runner.execute = execute
-
-
 def hook_hf_cb_kv(processor, sampler: KVSampler, clock) -> None:
     """Sample transformers' continuous-batching KV usage once per batch.
 

@@ -8,7 +8,8 @@ Three systems, one process, one model, one seeded ShareGPT-like workload (ignore
   the budget when every request reserves its maximum length (prompt + output, padded).
 
 Prints a markdown table: output tokens/s, pagoda's ratio to each peer, KV utilisation
-(tokens stored / slots allocated, sampled every step) and pool occupancy.
+(tokens stored / slots allocated, sampled every step; pagoda's from EngineStats) and pool
+occupancy.
 
     python bench/engine.py            # the recorded run (about 11 min on 2 cores)
     python bench/engine.py --quick    # smoke run, seconds
@@ -30,7 +31,6 @@ from bench.common import (  # noqa: E402
     build_model,
     command_line,
     hook_hf_cb_kv,
-    hook_pagoda_kv,
     kv_bytes_per_token,
     machine,
     markdown_table,
@@ -66,24 +66,35 @@ def run_pagoda(model_dir: str, wl: Workload, budget_blocks: int, args) -> Result
     warm = [r.prompt[:16] for r in wl.requests[:4]]
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     sampler = KVSampler(budget_blocks * args.block_size)
-    t0 = time.perf_counter()
-    hook_pagoda_kv(llm.engine, sampler, lambda: time.perf_counter() - t0)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in wl.requests]
-    prompts = [r.prompt for r in wl.requests]
+    engine = llm.engine
+    t0 = time.perf_counter()
+
+    def run() -> list[list[int]]:
+        """The engine driven step by step, so that KV use is read from EngineStats after each."""
+        out: list[list[int]] = [[] for _ in wl.requests]
+        for i, (r, p) in enumerate(zip(wl.requests, params)):
+            engine.add_request(str(i), r.prompt, p)
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                out[int(d.request_id)].extend(d.token_ids)
+            st = engine.stats()
+            sampler.add(st.tokens_stored, st.blocks_held * st.block_size, time.perf_counter() - t0)
+        return out
+
     t0 = time.perf_counter()
     if args.profile:
         import cProfile
         import pstats
         prof = cProfile.Profile()
-        outs = prof.runcall(llm.generate, prompts, params)
+        tokens = prof.runcall(run)
         wall = time.perf_counter() - t0
         prof.dump_stats(args.profile)
         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     else:
-        outs = llm.generate(prompts, params)
+        tokens = run()
         wall = time.perf_counter() - t0
-    tokens = [o.outputs[0].token_ids for o in outs]
-    st = llm.engine.stats()
+    st = engine.stats()
     extra = f"preemptions {st.preemptions}"
     del llm
     gc.collect()

@@ -46,6 +46,11 @@ class KVCacheManager:
         """Make room for num_new_tokens more tokens; None (and no change) if blocks run out."""
         if num_new_tokens < 1:
             raise ValueError("num_new_tokens must be at least 1")
+        total = request.num_computed_tokens + num_new_tokens
+        held = self.req_to_blocks.get(request.req_id)
+        if held and not new_computed_blocks and total <= len(held) * self.block_size and \
+                (not self.enable_caching or total // self.block_size <= self.num_cached_blocks.get(request.req_id, 0)):
+            return held     # the common decode step: room left, no block filled up to name
         blocks = self.req_to_blocks.setdefault(request.req_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)

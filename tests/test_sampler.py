@@ -212,3 +212,43 @@ def test_runner_reports_logprobs_and_only_sampling_rows(runner):
     lp = out.logprobs["l"]
     assert lp.sampled.token_id == out.sampled_token_ids["l"] == lp.top[0].token_id
     assert len(lp.top) == 5
+
+
+def big_batch(rows, vocab):
+    ib = InputBatch(len(rows), 8, 8, 8, vocab, [EOS], torch.device("cpu"))
+    ib.update(SchedulerOutput([], new=[NewRequest(f"r{i}", [1], 1, p, []) for i, p in enumerate(rows)]))
+    return ib.sampling_batch(np.arange(len(rows)))
+
+
+@pytest.mark.parametrize("peaked", [True, False])
+def test_top_p_on_a_large_vocabulary_keeps_exactly_the_nucleus(peaked):
+    # Large enough that top_p first looks at the best candidates only (peaked: they hold p, so
+    # no sort) and, when flat, has to fall back to the sorted vocabulary; same answer either way.
+    vocab = 8 * 1024
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(vocab, generator=gen) * (0.01 if not peaked else 1.0)
+    if peaked:
+        logits[:20] += 12.0
+    probs = torch.softmax(logits, dim=0)
+    order = probs.argsort(descending=True)
+    ahead = probs[order].cumsum(0) - probs[order]
+    nucleus = set(order[ahead < 0.8].tolist())
+    n = 3000
+    tokens, _ = Sampler()(logits.expand(n, -1).clone(), big_batch([SamplingParams(top_p=0.8)] * n, vocab))
+    assert set(tokens) <= nucleus
+    if peaked:
+        assert len(set(tokens)) >= min(len(nucleus), 5)
+    combined, _ = Sampler()(logits.expand(n, -1).clone(), big_batch([SamplingParams(top_p=0.8, top_k=3)] * n, vocab))
+    assert set(combined) <= set(order[:3].tolist())
+
+
+def test_seeded_request_same_alone_and_in_a_full_batch(tiny_llm_factory):
+    llm = tiny_llm_factory("llama", num_kv_blocks=256, max_num_seqs=32)
+    prompt = list(range(40, 70))
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=77, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
+    others = [[(7 * i + j) % 500 + 5 for j in range(5 + i)] for i in range(31)]
+    mixed = [SamplingParams(temperature=t, top_p=p, max_tokens=12, ignore_eos=True, repetition_penalty=r)
+             for t, p, r in zip([0.0, 1.0, 1.3] * 11, [1.0, 0.5, 0.9] * 11, [1.0, 1.0, 1.2] * 11)][:31]
+    outs = llm.generate(others[:15] + [prompt] + others[15:], mixed[:15] + [seeded] + mixed[15:])
+    assert outs[15].outputs[0].token_ids == alone

@@ -224,3 +224,28 @@ def test_no_admission_in_a_step_that_preempted_even_when_one_would_fit():
     assert s.requests["c"].status == RequestStatus.WAITING
     out = run_step(s)
     assert chunks(out) == [("a", 1, 9, True), ("c", 2, 0, True)]
+
+
+def test_output_carries_only_what_changed():
+    s = make(num_blocks=6, budget=64, caching=False)
+    s.add_request(req("a", 3))
+    out = run_step(s)
+    assert [(n.req_id, n.token_ids, n.num_prompt_tokens, n.block_ids) for n in out.new] == \
+        [("a", s.requests["a"].prompt_token_ids, 3, [0])]
+    assert [x.new_block_ids for x in out.scheduled] == [[]]
+    out = run_step(s)                  # a decodes inside block 0: nothing new at all
+    assert out.new == [] and [x.new_block_ids for x in out.scheduled] == [[]]
+    out = run_step(s)                  # a's fifth token opens block 1
+    assert out.new == [] and [x.new_block_ids for x in out.scheduled] == [[1]]
+    s.add_request(req("b", 4))
+    out = run_step(s)
+    assert [n.req_id for n in out.new] == ["b"] and [x.new_block_ids for x in out.scheduled] == [[], []]
+    # Preempted, then back: it leaves the batch and enters again, with its whole table and
+    # every token so far (the runner drops the old row before adding the new one).
+    s._preempt(s.requests["b"])
+    out = run_step(s)
+    assert out.finished_req_ids == {"b"}
+    assert [(n.req_id, len(n.token_ids), n.block_ids) for n in out.new] == [("b", 5, s.kv.block_ids(s.requests["b"]))]
+    s.finish_requests(["a"], RequestStatus.FINISHED_STOPPED)
+    out = run_step(s)
+    assert out.finished_req_ids == {"a"} and [x.req_id for x in out.scheduled] == ["b"]

@@ -1,0 +1,96 @@
+"""The runner's persistent batch: rows survive between steps, leaving rows are filled by the last
+one, and each step's flat inputs equal the ones built the plain way from whole requests."""
+import random
+
+import numpy as np
+import torch
+
+from gpu_worker.input_batch import InputBatch
+from gpu_worker.outputs import NewRequest, ScheduledRequest, SchedulerOutput
+from gpu_worker.sampling_params import SamplingParams
+
+BS, V = 4, 50
+
+
+def make(rows=6):
+    return InputBatch(rows, 64, 256, BS, V, [2], torch.device("cpu"))
+
+
+def plain_inputs(reqs, sched):
+    """The reference: flatten whole requests one by one, as a list-based runner would."""
+    ids, pos, slots, lens, qsl = [], [], [], [], [0]
+    for s in sched:
+        r = reqs[s.req_id]
+        for p in range(s.start_pos, s.start_pos + s.num_tokens):
+            ids.append(r["tokens"][p])
+            pos.append(p)
+            slots.append(r["blocks"][p // BS] * BS + p % BS)
+        lens.append(s.start_pos + s.num_tokens)
+        qsl.append(qsl[-1] + s.num_tokens)
+    return ids, pos, slots, lens, qsl
+
+
+def test_rows_stay_dense_and_follow_their_requests():
+    b = make()
+    sp = SamplingParams()
+    b.update(SchedulerOutput([], new=[NewRequest(r, [i + 10] * (i + 1), i + 1, sp, [i]) for i, r in enumerate("abcd")]))
+    assert b.req_ids == ["a", "b", "c", "d"]
+    b.update(SchedulerOutput([], finished_req_ids={"b"}))
+    assert b.req_ids == ["a", "d", "c"] and b.row_of == {"a": 0, "d": 1, "c": 2}
+    assert b.token_ids[1, :4].tolist() == [13] * 4 and b.num_tokens[1] == 4 and b.block_table[1, 0] == 3
+    b.update(SchedulerOutput([], finished_req_ids={"c", "a", "unknown"}))
+    assert b.req_ids == ["d"] and b.row_of == {"d": 0} and b.token_ids[0, :4].tolist() == [13] * 4
+
+
+def test_steps_equal_plain_flattening_under_random_churn():
+    rng = random.Random(0)
+    b = make(rows=8)
+    reqs: dict = {}
+    free_blocks = list(range(200))
+    serial = 0
+    for _ in range(60):
+        finished = {r for r in reqs if rng.random() < 0.2}
+        new = []
+        for r in finished:
+            free_blocks += reqs.pop(r)["blocks"]
+        while len(reqs) < 8 and rng.random() < 0.7:
+            serial += 1
+            n = rng.randrange(1, 20)
+            rid = f"r{serial}"
+            reqs[rid] = {"tokens": [rng.randrange(V) for _ in range(n)], "computed": 0, "blocks": [], "new": True}
+        sched = []
+        for rid, r in reqs.items():
+            left = len(r["tokens"]) - r["computed"]
+            n = min(left, rng.randrange(1, 8))
+            need = -(-(r["computed"] + n) // BS) - len(r["blocks"])
+            added = [free_blocks.pop(rng.randrange(len(free_blocks))) for _ in range(need)]
+            r["blocks"] += added
+            if r.pop("new", False):
+                new.append(NewRequest(rid, list(r["tokens"]), len(r["tokens"]), SamplingParams(), list(r["blocks"])))
+                added = []
+            sched.append(ScheduledRequest(rid, n, r["computed"], r["computed"] + n == len(r["tokens"]), added))
+        rng.shuffle(sched)
+        b.update(SchedulerOutput(sched, new=new, finished_req_ids=finished))
+        if not sched:
+            continue
+        got = b.prepare(sched)
+        ids, pos, slots, lens, qsl = plain_inputs(reqs, sched)
+        assert got.input_ids.tolist() == ids and got.positions.tolist() == pos
+        assert got.meta.slot_mapping.tolist() == slots and got.meta.seq_lens.tolist() == lens
+        assert got.meta.query_start_loc.tolist() == qsl
+        for i, s in enumerate(sched):
+            row = got.meta.block_tables[i].tolist()
+            assert row[:len(reqs[s.req_id]["blocks"])] == reqs[s.req_id]["blocks"][:len(row)]
+        sampling = [s.req_id for s in sched if s.sample]
+        assert got.req_ids == sampling
+        assert got.logits_indices.tolist() == [qsl[i + 1] - 1 for i, s in enumerate(sched) if s.sample]
+        tokens = [rng.randrange(V) for _ in sampling]
+        b.append_sampled(got.sample_rows, tokens)
+        for s in sched:
+            reqs[s.req_id]["computed"] += s.num_tokens
+        for rid, t in zip(sampling, tokens):
+            reqs[rid]["tokens"].append(t)
+        for rid, r in reqs.items():
+            row = b.row_of[rid]
+            assert b.token_ids[row, :b.num_tokens[row]].tolist() == r["tokens"]
+            assert np.array_equal(b.block_table[row, :b.num_blocks[row]], r["blocks"])
