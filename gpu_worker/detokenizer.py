@@ -3,8 +3,10 @@
 Text grows by decoding a small window of recent tokens twice (with and without the new
 ones) and taking the difference, so a byte-level tokenizer's leading spaces and multi-token
 characters come out right without re-decoding the whole output each step. A window that
-ends in a broken UTF-8 character waits for the next token. While streaming, a tail that
-could still become a stop string is held back.
+ends in a broken UTF-8 character waits for the next token. With a Rust (`tokenizers`)
+backend that needs no clean-up, the same windowing runs inside `tokenizers`' own
+DecodeStream: one native call per token instead of two decodes through transformers.
+While streaming, a tail that could still become a stop string is held back.
 """
 from __future__ import annotations
 
@@ -15,21 +17,26 @@ from typing import Optional
 _CONTEXT_TOKENS = 5
 
 
-def fast_decode(tokenizer):
-    """The Rust tokenizer's own decode when it gives the same text: transformers' wrapper around
-    it costs several times the decode itself, twice per token of every sequence."""
+def rust_backend(tokenizer):
+    """The Rust tokenizer behind a transformers one, when decoding through it gives the same
+    text (transformers' clean-up of spaces is not in it); else None."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return tokenizer.decode
-    return backend.decode
+        return None
+    return backend
 
 
 class Detokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self._decode_fn = fast_decode(tokenizer)
+        self.backend = rust_backend(tokenizer)
+        self._decode_fn = self.backend.decode if self.backend is not None else tokenizer.decode
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.stream = None
+        if self.backend is not None:
+            from tokenizers.decoders import DecodeStream
+            self.stream = DecodeStream(ids=list(self.tokens), skip_special_tokens=skip_special_tokens)
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         self.stop = list(stop)
@@ -46,6 +53,14 @@ class Detokenizer:
         """Append one token; returns the stop string if the new text completes one (the
         text is then truncated there)."""
         self.tokens.append(token_id)
+        if self.stream is not None:
+            piece = self.stream.step(self.backend, token_id)
+            if not piece:
+                return None
+            start = len(self.text)
+            self.text += piece
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            return self._check_stop(start) if check_stop else None
         before = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         after = self._decode(self.tokens[self.prefix_offset:])
         if after.endswith("\ufffd") or len(after) <= len(before):

@@ -13,7 +13,7 @@ import torch
 from gpu_worker.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequest:
     """A request entering the runner's persistent batch (first admission, or again after
     preemption): everything the runner keeps in its row until the request leaves."""
@@ -26,7 +26,7 @@ class NewRequest:
     grammar: Any = None           # structured_output.GrammarState, when the output is constrained
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: only what the runner cannot know by itself."""
     req_id: str
@@ -84,7 +84,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamDelta:
     """What one engine step added to one sequence (index among n) of a request."""
     request_id: str
