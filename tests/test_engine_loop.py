@@ -64,7 +64,9 @@ def test_slow_steps_never_block_the_event_loop(start_worker, tiny_model, redis_s
     for name, values in latencies.items():
         assert len(values) >= 10 and max(values) < FAST_S, (name, sorted(values)[-5:])
     gaps = [y - x for x, y in zip(ts, ts[1:])]
-    assert len(ts) >= 40 and max(gaps) < 0.05 + FAST_S, sorted(gaps)[-5:]
+    # Heartbeats every 0.05 s plus Redis round trips on a loaded machine: a heartbeat that
+    # waited on a step would leave a gap of about STEP_S.
+    assert len(ts) >= 40 and max(gaps) < STEP_S / 4, sorted(gaps)[-5:]
     for arrivals in (a, b):
         assert sum(n for _, n in arrivals) == 4
         # A token every step: no stream waits for a step it is not in.
