@@ -12,6 +12,7 @@ import math
 import os
 import time
 import weakref
+from typing import Any, cast
 
 import torch
 
@@ -64,8 +65,9 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.tp is not None:
             self.tp.join_group()
-        self.model = load_model(self.model_path, self.hf_config, self.device, self.dtype, self.shard,
-                                model_impl=config.model_impl)
+        # Any: nn.Module's attribute typing cannot see the model's own methods.
+        self.model: Any = cast(Any, load_model(self.model_path, self.hf_config, self.device, self.dtype,
+                                               self.shard, model_impl=config.model_impl))
         self.write_fn, self.attend_fn = select_backend(config.attention_backend, self.device)
         self.backend = resolve_backend(config.attention_backend, self.device)
         use_triton_ops(self.model, self.backend == "triton")
