@@ -82,17 +82,17 @@ def run_case(llm, batch: int, prompt_len: int, gen_len: int) -> dict:
     from gpu_worker.sampling_params import SamplingParams
     engine, runner = llm.engine, llm.engine.runner
     forwards: list[tuple[float, bool]] = []   # (seconds, pure decode?)
-    real_forward = runner.forward
+    real_run_model = runner.run_model
 
-    def timed_forward(scheduled):
+    def timed_run_model(ids, pos, meta, logits_indices):
         t = time.perf_counter()
-        out = real_forward(scheduled)
+        out = real_run_model(ids, pos, meta, logits_indices)
         if out.is_cuda:
             torch.cuda.synchronize()
-        forwards.append((time.perf_counter() - t, all(len(s.token_ids) == 1 for s in scheduled)))
+        forwards.append((time.perf_counter() - t, ids.numel() == meta.seq_lens.numel()))
         return out
 
-    runner.forward = timed_forward
+    runner.run_model = timed_run_model
     try:
         params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
         prompts = [[5 + (i * 7 + j) % 900 for j in range(prompt_len)] for i in range(batch)]
@@ -107,7 +107,7 @@ def run_case(llm, batch: int, prompt_len: int, gen_len: int) -> dict:
                 steps.append((time.perf_counter() - t, *forwards[-1]))
         wall = time.perf_counter() - start
     finally:
-        runner.forward = real_forward
+        runner.run_model = real_run_model
     dec = [s for s in steps if s[2]] or steps
     step_ms = 1e3 * sum(s[0] for s in dec) / len(dec)
     fwd_ms = 1e3 * sum(s[1] for s in dec) / len(dec)
