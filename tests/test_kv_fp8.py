@@ -81,7 +81,7 @@ def test_attention_reads_fp8_pools(name, splits):
 
 def test_runner_fp8_pool_halves_memory_and_stays_close(tiny_model):
     from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.outputs import ScheduledRequest
+    from tests.plugins.engine import Chunk, fresh_step
     from gpu_worker.sampling_params import SamplingParams
     logits = []
     for dtype in ("auto", "fp8"):
@@ -91,8 +91,8 @@ def test_runner_fp8_pool_halves_memory_and_stays_close(tiny_model):
         assert r.kv_caches[0][0].dtype == (FP8_DTYPE if dtype == "fp8" else torch.float32)
         p = SamplingParams()
         ids = list(range(20, 45))
-        r.forward([ScheduledRequest("a", ids[:24], 0, [1, 2, 3, 4], False, p, ids, [])])
-        logits.append(r.forward([ScheduledRequest("a", ids[24:], 24, [1, 2, 3, 4], True, p, ids, [])]))
+        r.forward(fresh_step(r, [Chunk("a", ids[:24], 0, [1, 2, 3, 4], False, p, ids, [])]))
+        logits.append(r.forward(fresh_step(r, [Chunk("a", ids[24:], 24, [1, 2, 3, 4], True, p, ids, [])])))
         sizes = getattr(test_runner_fp8_pool_halves_memory_and_stays_close, "sizes", [])
         sizes.append(r.bytes_per_block())
         test_runner_fp8_pool_halves_memory_and_stays_close.sizes = sizes
@@ -121,7 +121,7 @@ def test_fp8_kv_logits_within_tolerance_of_bf16_gpu(tiny_model):
     """Stated tolerance: the decode step's logits with fp8 K/V have cosine similarity >= 0.95 with
     those of bf16 K/V (the CPU twin measures 0.98 against fp32 K/V on the same model)."""
     from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.outputs import ScheduledRequest
+    from tests.plugins.engine import Chunk, fresh_step
     from gpu_worker.sampling_params import SamplingParams
     logits = []
     for dtype in ("auto", "fp8"):
@@ -130,6 +130,6 @@ def test_fp8_kv_logits_within_tolerance_of_bf16_gpu(tiny_model):
         r.allocate_kv_cache(16)
         p = SamplingParams()
         ids = list(range(20, 61))
-        r.forward([ScheduledRequest("a", ids[:40], 0, [1, 2, 3], False, p, ids, [])])
-        logits.append(r.forward([ScheduledRequest("a", ids[40:], 40, [1, 2, 3], True, p, ids, [])]).float())
+        r.forward(fresh_step(r, [Chunk("a", ids[:40], 0, [1, 2, 3], False, p, ids, [])]))
+        logits.append(r.forward(fresh_step(r, [Chunk("a", ids[40:], 40, [1, 2, 3], True, p, ids, [])])).float())
     assert torch.nn.functional.cosine_similarity(logits[1], logits[0], dim=-1).min() >= 0.95
