@@ -81,8 +81,8 @@ def test_attention_reads_fp8_pools(name, splits):
 
 def test_runner_fp8_pool_halves_memory_and_stays_close(tiny_model):
     from gpu_worker.model_runner import ModelRunner
-    from tests.plugins.engine import Chunk, fresh_step
     from gpu_worker.sampling_params import SamplingParams
+    from tests.plugins.engine import Chunk, fresh_step
     logits = []
     for dtype in ("auto", "fp8"):
         r = ModelRunner(EngineConfig(model=tiny_model, device="cpu", block_size=8, num_kv_blocks=8,
@@ -121,8 +121,8 @@ def test_fp8_kv_logits_within_tolerance_of_bf16_gpu(tiny_model):
     """Stated tolerance: the decode step's logits with fp8 K/V have cosine similarity >= 0.95 with
     those of bf16 K/V (the CPU twin measures 0.98 against fp32 K/V on the same model)."""
     from gpu_worker.model_runner import ModelRunner
-    from tests.plugins.engine import Chunk, fresh_step
     from gpu_worker.sampling_params import SamplingParams
+    from tests.plugins.engine import Chunk, fresh_step
     logits = []
     for dtype in ("auto", "fp8"):
         r = ModelRunner(EngineConfig(model=tiny_model, device="cuda", dtype="bfloat16", num_kv_blocks=16,
