@@ -15,8 +15,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from gpu_worker.server import serve
+    from protos.serving import StartupError
     try:
         return asyncio.run(serve(args))
+    except StartupError as e:   # a taken port, a missing certificate: one line saying what to change
+        print(f"pagoda worker: {e}", file=sys.stderr, flush=True)
+        return 2
     except ValueError as e:     # a bad flag value or model found by the engine: say which, no traceback
         logging.getLogger("gpu_worker").error("%s", e)
         return 2

@@ -11,6 +11,7 @@ import os
 import secrets
 import socket
 
+from protos import limits, security
 from gpu_worker.config import EngineConfig
 
 # The engine's defaults live in EngineConfig alone; the flags read them from there.
@@ -25,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="name clients ask for (default: the directory's name)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--metrics-port", type=int, default=9100, help="Prometheus HTTP port; 0 turns it off")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus HTTP port (default: --port + 10000, so workers differing only in --port "
+                        "never collide); 0 turns it off")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=_D["device"])
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=_D["dtype"])
     p.add_argument("--block-size", type=int, default=_D["block_size"])
@@ -59,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-interval", type=float, default=5.0)
     p.add_argument("--drain-grace-seconds", type=float, default=30.0,
                    help="after SIGTERM, how long running streams may take to finish")
+    p.add_argument("--max-concurrent-streams", type=int, default=2048,
+                   help="HTTP/2 streams one connection may hold open (the router multiplexes on one)")
     p.add_argument("--log-level", default="INFO")
+    limits.add_flags(p)
+    security.add_flags(p, worker_side=True)
     return p
 
 

@@ -32,7 +32,8 @@ class Publisher:
     def __init__(self, redis_url: str, worker_id: str, model: str, address: str, engine,
                  heartbeat_s: float = 0.5, snapshot_s: float = 5.0, lease_ttl_s: float = 3.0,
                  poll_s: float = 0.02, max_pending_events: int = 200_000,
-                 stream_maxlen: int = rs.STREAM_MAXLEN, name: str = "", load_interval_s: float = 0.05):
+                 stream_maxlen: int = rs.STREAM_MAXLEN, name: str = "", load_interval_s: float = 0.05,
+                 epoch: int | None = None, tokenizer_digest: str = ""):
         if heartbeat_s <= 0 or snapshot_s <= 0 or lease_ttl_s <= heartbeat_s:
             raise ValueError("heartbeat_s, snapshot_s must be > 0 and lease_ttl_s > heartbeat_s")
         self.redis_url, self.worker_id, self.model, self.address = redis_url, worker_id, model, address
@@ -44,7 +45,8 @@ class Publisher:
         self.engine = engine
         self.heartbeat_s, self.snapshot_s, self.lease_ttl_s = heartbeat_s, snapshot_s, lease_ttl_s
         self.poll_s, self.max_pending, self.stream_maxlen = poll_s, max_pending_events, stream_maxlen
-        self.epoch = rs.new_epoch()
+        self.epoch = rs.new_epoch() if epoch is None else epoch   # the server answers with it too
+        self.tokenizer_digest = tokenizer_digest
         self.seq = 0                       # last batch sequence number assigned
         self.stream_id = "0-0"             # last entry this process added
         self.pending: list[tuple[str, bytes]] = []
@@ -167,7 +169,7 @@ class Publisher:
                         free_blocks=st.free_blocks, seq=self.seq, ts=time.time(),
                         prefill_tps=self.rates.prefill_tps, decode_tps=self.rates.decode_tps,
                         step_s=self.rates.step_s, max_batched_tokens=getattr(st, "max_num_batched_tokens", 0),
-                        name=self.name)
+                        name=self.name, tokenizer_digest=self.tokenizer_digest)
 
     async def _snapshot(self) -> None:
         key, ttl = rs.snapshot_key(self.worker_id), int(max(self.lease_ttl_s, 3 * self.snapshot_s) * 1000)

@@ -22,8 +22,13 @@ from grpc_reflection.v1alpha import reflection
 
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.structured_output import GrammarCompiler, spec_from_proto
+from protos import redis_schema as rs
+from protos import serving
+from protos.limits import Limits, check_fits, check_request
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from protos.security import AuthInterceptor, KeyRing, identity, scoped_id, scoped_salt, server_credentials
+from protos.serving import StartupError, bind, check_port_free, server_options
 from protos.tokenization import PromptTokenizer, encode_prompt
 
 log = logging.getLogger("gpu_worker.server")
@@ -31,7 +36,6 @@ log = logging.getLogger("gpu_worker.server")
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 _SCALARS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "skip_special_tokens")
-MAX_REQUEST_ID_LEN = 256
 
 
 def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
@@ -47,10 +51,17 @@ class _Invalid(Exception):
     """A request field the server itself refuses (before the engine sees it)."""
 
 
+class _NotFound(Exception):
+    """The request names a model this worker does not serve."""
+
+
 class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
     def __init__(self, engine, tokenizer: PromptTokenizer, worker_id: str, metrics=None,
-                 health_servicer: Optional[health.aio.HealthServicer] = None, on_drain=None):
-        self.engine, self.tokenizer, self.worker_id = engine, tokenizer, worker_id
+                 health_servicer: Optional[health.aio.HealthServicer] = None, on_drain=None,
+                 limits: Limits = Limits(), keyring: Optional[KeyRing] = None):
+        self.engine, self.tokenizer, self.worker_id, self.limits = engine, tokenizer, worker_id, limits
+        self.keyring = keyring
+        self.epoch = rs.new_epoch()                # of this process; also in the Redis lease
         self.on_drain = on_drain                   # async callable run once when draining starts
         self.metrics, self.health = metrics, health_servicer
         self.model_name = engine.model_name
@@ -64,11 +75,14 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request elsewhere")
         try:
-            field, ids = self._prompt_ids(request)
+            field, ids = await self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
+            check_fits(field, len(ids), request.sampling, self.engine.max_model_len)
             spec = spec_from_proto(request.sampling.structured_output)
             if spec is not None:            # compiled in a thread (cached per spec), off the loops
                 params.structured_output = await asyncio.to_thread(self.grammars.compile, spec)
+        except _NotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except (_Invalid, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or uuid.uuid4().hex
@@ -77,6 +91,7 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         self.active.add(task)
         try:
             async for resp in self._stream(rid, field, ids, params, request, context):
+                resp.request_id = rid          # the caller's id, not the tenant-scoped one
                 yield resp
         finally:
             self.active.discard(task)
@@ -86,8 +101,9 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         from gpu_worker.distributed import RankFailure
         t0 = time.monotonic()
         last: dict[int, float] = {}                # per sequence: when its last token went out
-        stream = self.engine.generate(rid, ids, params, priority=request.priority,
-                                      cache_salt=request.cache_salt, adapter=request.adapter)
+        ident = identity(self.keyring, context)
+        stream = self.engine.generate(scoped_id(ident, rid), ids, params, priority=request.priority,
+                                      cache_salt=scoped_salt(ident, request.cache_salt), adapter=request.adapter)
         started = False
         try:
             async for delta in stream:
@@ -114,15 +130,19 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
             # Closing the engine stream is what aborts the request when the call was cancelled.
             await stream.aclose()
 
-    def _prompt_ids(self, request) -> tuple[str, list[int]]:
-        """(the field of a GenerateRequest or TokenizeRequest that carried the prompt, its ids)."""
-        if request.model and request.model != self.model_name:
-            raise _Invalid(f"model: unknown model {request.model!r}; this worker serves {self.model_name!r}")
-        if len(getattr(request, "request_id", "")) > MAX_REQUEST_ID_LEN:
-            raise _Invalid(f"request_id: at most {MAX_REQUEST_ID_LEN} characters")
+    async def _prompt_ids(self, request) -> tuple[str, list[int]]:
+        """(the field of a GenerateRequest or TokenizeRequest that carried the prompt, its ids).
+        Limits first; tokenising runs in a thread so a long prompt cannot stall the event loop
+        (other streams, heartbeats)."""
+        self._check_model(request.model)
+        check_request(request, self.limits)
         if request.HasField("text") and not request.text:
             raise _Invalid("text: the prompt is empty")
-        return encode_prompt(self.tokenizer, request)
+        return await asyncio.to_thread(encode_prompt, self.tokenizer, request)
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise _NotFound(f"model: unknown model {model!r}; this worker serves {self.model_name!r}")
 
     def _observe(self, delta, t0: float, last: dict[int, float]) -> None:
         if self.metrics is None:
@@ -162,19 +182,22 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
                                token=self.tokenizer.decode([lp.token_id], skip_special_tokens=False))
 
     async def GetModelInfo(self, request, context):
-        if request.model and request.model != self.model_name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"model: unknown model {request.model!r}; this worker serves {self.model_name!r}")
+        try:
+            self._check_model(request.model)
+        except _NotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         e = self.engine
         return pb.ModelInfoResponse(model=self.model_name, max_model_len=e.max_model_len, block_size=e.block_size,
                                     vocab_size=e.vocab_size, eos_token_ids=list(e.eos_token_ids),
                                     tokenizer_json=self.tokenizer.tokenizer_json,
                                     tokenizer_config_json=self.tokenizer.tokenizer_config_json,
-                                    worker_id=self.worker_id)
+                                    worker_id=self.worker_id, epoch=self.epoch)
 
     async def Tokenize(self, request, context):
         try:
-            return pb.TokenizeResponse(token_ids=self._prompt_ids(request)[1])
+            return pb.TokenizeResponse(token_ids=(await self._prompt_ids(request))[1])
+        except _NotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except (_Invalid, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -223,30 +246,35 @@ class Worker:
         self.metrics = None
         self.publisher = None
         self.port = None
+        self.keyring: Optional[KeyRing] = None
         self.stopped = asyncio.Event()
 
     async def start(self) -> None:
         from gpu_worker import args as worker_args
         a = self.args
+        # Every port and credential first: a mistake is reported before the slow model load.
+        creds, self.keyring = _security(a)
+        interceptors = [AuthInterceptor(self.keyring)] if self.keyring else []
+        self.server = grpc.aio.server(options=server_options(a.max_concurrent_streams), interceptors=interceptors)
+        self.port = bind(self.server, a.host, a.port, "--port", creds)
+        metrics_port = serving.metrics_port(a.metrics_port, a.port)
+        check_port_free(a.host, metrics_port, "--metrics-port")
+        # After binding, so that --port 0 yields an id (and address) with the real port.
+        self.worker_id = a.worker_id or worker_args.default_worker_id(self.port)
         if self.engine is None:
             from gpu_worker.async_llm import AsyncLLM
             from gpu_worker.config import EngineConfig
             self.engine = AsyncLLM(EngineConfig(**worker_args.engine_config_kwargs(a)))
         engine = self.engine
         tokenizer = PromptTokenizer.from_dir(a.model)
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        self.port = self.server.add_insecure_port(f"{a.host}:{a.port}")
-        if self.port == 0:
-            raise RuntimeError(f"port: cannot bind {a.host}:{a.port}")
-        # After binding, so that --port 0 yields an id (and address) with the real port.
-        self.worker_id = a.worker_id or worker_args.default_worker_id(self.port)
-        if a.metrics_port:
+        if metrics_port:
             from gpu_worker.metrics import WorkerMetrics
             self.metrics = WorkerMetrics(engine.stats, engine.model_name, a.metrics_prefix)
-            self.metrics.serve(a.host, a.metrics_port)
+            self.metrics.serve(a.host, metrics_port)
         health_servicer = health.aio.HealthServicer()
         self.service = WorkerService(engine, tokenizer, self.worker_id, self.metrics, health_servicer,
-                                     on_drain=self._stop_publisher)
+                                     on_drain=self._stop_publisher, limits=Limits.from_args(a),
+                                     keyring=self.keyring)
         pb_grpc.add_GenerationServicer_to_server(self.service, self.server)
         pb_grpc.add_AdminServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
@@ -280,7 +308,8 @@ class Worker:
         address = a.advertise_address or advertise_address(_with_port(a, self.port))
         self.publisher = Publisher(a.redis_url, self.worker_id, self.engine.model_name, address, self.engine,
                                    heartbeat_s=a.heartbeat_interval, snapshot_s=a.snapshot_interval,
-                                   name=worker_name(a, self.port))
+                                   name=worker_name(a, self.port), epoch=self.service.epoch,
+                                   tokenizer_digest=self.service.tokenizer.digest)
         await self.publisher.start()
 
     async def _stop_publisher(self) -> None:
@@ -313,6 +342,14 @@ class Worker:
         self.stopped.set()
 
 
+def _security(a) -> tuple[Optional[grpc.ServerCredentials], Optional[KeyRing]]:
+    try:
+        creds = server_credentials(a.tls_cert, a.tls_key, a.tls_client_ca)
+        return creds, (KeyRing(a.api_keys_file) if a.api_keys_file else None)
+    except (OSError, ValueError) as e:
+        raise StartupError(f"TLS/keys: {e}") from None
+
+
 def _with_port(args, port: int):
     import argparse
     return argparse.Namespace(**{**vars(args), "port": port})
@@ -327,6 +364,8 @@ async def serve(args) -> int:
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    if worker.keyring is not None:
+        loop.add_signal_handler(signal.SIGHUP, worker.keyring.reload)
     while not stopping.is_set():
         fatal = getattr(worker.engine, "fatal", None)
         if fatal is not None:

@@ -92,16 +92,27 @@ class Lease:
     step_s: float = 0.0
     max_batched_tokens: int = 0
     name: str = ""          # stable name for metric labels (pod or --worker-name), unlike worker_id
+    tokenizer_digest: str = ""   # PromptTokenizer.digest of the tokenizer the worker serves
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, data: bytes | str) -> "Lease":
+        """Parsed against the schema: a value of the wrong type or out of range is refused
+        here, so nothing downstream (scoring, fencing) ever sees it."""
+        if len(data) > MAX_LEASE_BYTES:
+            raise ValueError(f"lease: {len(data)} bytes, more than {MAX_LEASE_BYTES}")
         try:
             raw = json.loads(data)
-            lease = cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
-        except (ValueError, TypeError) as e:
+        except ValueError as e:
+            raise ValueError(f"lease: malformed ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError("lease: not a JSON object")
+        try:
+            lease = cls(**{name: _checked(name, raw[name], f.type)
+                           for name, f in cls.__dataclass_fields__.items() if name in raw})
+        except (TypeError, ValueError) as e:
             raise ValueError(f"lease: malformed ({e})") from None
         if not lease.worker_id or not lease.model or not lease.address:
             raise ValueError("lease: worker_id, model and address are required")
@@ -111,12 +122,31 @@ class Lease:
                 raise ValueError(f"lease: {name} must be a number in [{lo}, {hi}] (got {v!r})")
         if not isinstance(lease.name, str) or len(lease.name) > 253:
             raise ValueError("lease: name must be a string of at most 253 characters")
+        if lease.block_size < 1 or not 0.0 <= lease.kv_usage <= 1.0:
+            raise ValueError("lease: block_size must be >= 1 and kv_usage in [0, 1]")
         return lease
 
 
 # Speed figures feed the router's arithmetic directly: out-of-range values are refused, not used.
 _LEASE_BOUNDS = {"prefill_tps": (0.0, 1e9), "decode_tps": (0.0, 1e9), "step_s": (0.0, 60.0),
                  "max_batched_tokens": (0, 1 << 24)}
+MAX_LEASE_BYTES = 16 << 10
+MAX_TEXT = 512                      # worker ids, model names, addresses
+_MAX_INT = (1 << 63) - 1
+
+
+def _checked(name: str, value, kind: str):
+    """One field against its annotated type: str (bounded), int (non-negative, not a bool)
+    or float (finite, non-negative)."""
+    if kind == "str":
+        if not isinstance(value, str) or len(value) > MAX_TEXT:
+            raise ValueError(f"{name} must be a string of at most {MAX_TEXT} characters")
+    elif kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_INT:
+            raise ValueError(f"{name} must be a non-negative integer (got {value!r:.40})")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"{name} must be a finite non-negative number (got {value!r:.40})")
+    return value
 
 
 def pack_events(events: list[tuple[str, bytes]]) -> bytes:
@@ -151,8 +181,11 @@ class EventBatch:
     def from_fields(cls, fields: dict) -> "EventBatch":
         f = {_text(k): v for k, v in fields.items()}
         try:
-            return cls(_text(f["w"]), int(f["e"]), int(f["n"]), unpack_events(f.get("ev", b"")))
-        except (KeyError, ValueError) as e:
+            worker_id, epoch, seq = _text(f["w"]), int(f["e"]), int(f["n"])
+            if len(worker_id) > MAX_TEXT or not 0 <= epoch <= _MAX_INT or not 0 <= seq <= _MAX_INT:
+                raise ValueError("worker id, epoch or seq out of range")
+            return cls(worker_id, epoch, seq, unpack_events(f.get("ev", b"")))
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
             raise ValueError(f"event batch: malformed ({e})") from None
 
 
@@ -170,18 +203,32 @@ class Snapshot:
                            "stream_id": self.stream_id}).encode()
         return struct.pack("<I", len(head)) + head + b"".join(self.hashes)
 
+    @staticmethod
+    def max_bytes(num_blocks: int) -> int:
+        """The largest snapshot a worker with `num_blocks` blocks can write (the router reads
+        a snapshot's length first and refuses one beyond this without fetching it)."""
+        return 4 + MAX_SNAPSHOT_HEAD + num_blocks * DIGEST_SIZE
+
     @classmethod
     def decode(cls, data: bytes) -> "Snapshot":
         try:
             (n,) = struct.unpack_from("<I", data)
+            if n > MAX_SNAPSHOT_HEAD:
+                raise ValueError(f"header of {n} bytes")
             head = json.loads(data[4:4 + n])
             body = data[4 + n:]
             if len(body) % DIGEST_SIZE:
                 raise ValueError("truncated hashes")
             hashes = [body[i:i + DIGEST_SIZE] for i in range(0, len(body), DIGEST_SIZE)]
-            return cls(head["worker_id"], int(head["epoch"]), int(head["seq"]), head["stream_id"], hashes)
-        except (struct.error, KeyError, ValueError, TypeError) as e:
+            snap = cls(_checked("worker_id", head["worker_id"], "str"), _checked("epoch", head["epoch"], "int"),
+                       _checked("seq", head["seq"], "int"), _checked("stream_id", head["stream_id"], "str"), hashes)
+            stream_id_tuple(snap.stream_id)
+            return snap
+        except (struct.error, KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
             raise ValueError(f"snapshot: malformed ({e})") from None
+
+
+MAX_SNAPSHOT_HEAD = 4096
 
 
 def stream_id_tuple(stream_id: bytes | str) -> tuple[int, int]:

@@ -7,6 +7,7 @@ chat templates with a sandboxed jinja2 environment configured as transformers co
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from datetime import datetime
@@ -53,6 +54,13 @@ def _template_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def tokenizer_digest(tokenizer_json: str, tokenizer_config_json: str) -> str:
+    """What pins a tokenizer: workers advertise it in their leases, routers check it."""
+    h = hashlib.sha256(tokenizer_json.encode())
+    h.update(b"\0" + (tokenizer_config_json or "{}").encode())
+    return h.hexdigest()[:32]
+
+
 class PromptTokenizer:
     """Text and chat messages -> token ids, from tokenizer.json + tokenizer_config.json texts."""
 
@@ -83,6 +91,10 @@ class PromptTokenizer:
             with open(jinja_path, encoding="utf-8") as f:
                 config["chat_template"] = f.read()
         return cls(tok_json, json.dumps(config))
+
+    @property
+    def digest(self) -> str:
+        return tokenizer_digest(self.tokenizer_json, self.tokenizer_config_json)
 
     @property
     def vocab_size(self) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from protos import limits, security
 from router.scoring import POLICIES
 
 
@@ -13,9 +14,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50050)
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP port (/v1/chat/completions, ...); 0 = off")
-    p.add_argument("--metrics-port", type=int, default=9101, help="Prometheus port; 0 = off")
-    p.add_argument("--redis-url", required=True, help="redis://[:password@]host:port/db "
-                   "(REDIS_PASSWORD is used when the URL has none)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus port (default: --port + 10000); 0 = off")
+    p.add_argument("--redis-url", required=True, help="redis://[user:password@]host:port/db, or rediss:// "
+                   "for TLS (REDIS_PASSWORD is used when the URL has none)")
     p.add_argument("--policy", choices=POLICIES, default="prefix_aware")
     p.add_argument("--index-max-blocks", type=_positive, default=1_000_000,
                    help="bound on block hashes held in memory (least recently used go first)")
@@ -23,7 +25,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a routed prefix counts as cached before its worker reports it")
     p.add_argument("--max-attempts", type=_positive, default=3,
                    help="workers tried for one request before the first token")
+    p.add_argument("--first-token-timeout", type=float, default=60.0,
+                   help="seconds a worker may take to send its first response before the request "
+                        "fails over to the next worker (and the breaker counts a failure)")
+    p.add_argument("--max-snapshot-bytes", type=_positive, default=32 << 20,
+                   help="a worker's block snapshot in Redis larger than this is refused unread")
+    p.add_argument("--max-concurrent-streams", type=_positive, default=2048,
+                   help="HTTP/2 streams one client connection may hold open")
     p.add_argument("--log-level", default="INFO")
+    limits.add_flags(p)
+    security.add_flags(p, worker_side=False)
     return p
 
 

@@ -9,6 +9,13 @@ its batch sequence, or a Redis reconnect. Routing decisions read only this memor
 When Redis is unreachable the last known state stays in use (workers are not expired on
 missing leases until Redis has been back for a lease period), and the task reconnects with
 backoff.
+
+Redis is not trusted: every value is parsed against its schema (protos/redis_schema.py) and a
+bad one is logged once per key and skipped; a snapshot is measured (STRLEN) before it is read
+and refused beyond what its worker's lease allows; a new epoch for a worker id is taken only
+after the lease's address confirms it (`verify`), so a forged lease cannot fence off a real
+worker; and the loop survives any exception, counting it (sync_errors) and reporting its
+freshness (healthy()).
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ import logging
 import random
 import time
 from typing import Any
+
+from typing import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -31,7 +40,8 @@ _ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 class Cluster:
     def __init__(self, redis_url: str, index: BlockIndex, lease_poll_s: float = 0.25,
-                 resync_retry_s: float = 1.0, reconnect_grace_s: float = 4.0):
+                 resync_retry_s: float = 1.0, reconnect_grace_s: float = 4.0,
+                 max_snapshot_bytes: int = 32 << 20):
         self.redis_url, self.index = redis_url, index
         self.lease_poll_s, self.resync_retry_s, self.reconnect_grace_s = lease_poll_s, resync_retry_s, reconnect_grace_s
         self.workers: dict[str, WorkerState] = {}
@@ -44,12 +54,34 @@ class Cluster:
         self._redis: Any = None   # aioredis.Redis once started; its stubs type replies too loosely to help
         self._task: asyncio.Task | None = None
         self._synced = asyncio.Event()
+        self.max_snapshot_bytes = max_snapshot_bytes
+        # async (lease) -> bool: does the lease's address answer as that worker and epoch?
+        # None accepts every new epoch at once (the routing simulator has no servers).
+        self.verify: Callable[[rs.Lease], Awaitable[bool]] | None = None
+        self._probes: dict[str, tuple[int, asyncio.Task | None, float]] = {}
+        self.sync_errors = 0                    # unexpected exceptions the loop survived
+        self.rejected = 0                       # Redis values refused by their schema
+        self.last_round = 0.0                   # monotonic time of the last complete round
+        self._warned: set[str] = set()
 
     def live(self, model: str) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.lease.model == model]
 
     def models(self) -> list[str]:
         return sorted({w.lease.model for w in self.workers.values()})
+
+    def healthy(self, stale_after_s: float = 5.0) -> bool:
+        """The view is current: a full round (leases and streams) finished within stale_after_s."""
+        return time.monotonic() - self.last_round < stale_after_s
+
+    def _reject(self, key: str, why) -> None:
+        """A bad value in Redis: counted always, logged once per key (bounded memory)."""
+        self.rejected += 1
+        if key not in self._warned:
+            if len(self._warned) > 10_000:
+                self._warned.clear()
+            self._warned.add(key)
+            log.warning("router: ignoring %s from redis: %s", key, why)
 
     async def start(self) -> None:
         self._redis = aioredis.from_url(
@@ -88,6 +120,7 @@ class Cluster:
                     next_poll = now + self.lease_poll_s
                 await self.sync_once(poll, block_ms=int(self.lease_poll_s * 1000))
                 if poll:
+                    self.last_round = time.monotonic()
                     self._synced.set()
             except asyncio.CancelledError:
                 raise
@@ -97,6 +130,10 @@ class Cluster:
                 self.connected = False
                 await asyncio.sleep(backoff * (0.5 + random.random() / 2))
                 backoff = min(backoff * 2, 2.0)
+            except Exception:           # a bug or data nothing parsed: never the end of syncing
+                self.sync_errors += 1
+                log.exception("router: redis sync round failed (%d so far); continuing", self.sync_errors)
+                await asyncio.sleep(self.lease_poll_s)
 
     async def sync_once(self, poll_leases: bool, block_ms: int | None, now: float | None = None) -> None:
         """One round: leases and due resyncs (when poll_leases), then new stream entries.
@@ -111,13 +148,16 @@ class Cluster:
         keys = [k async for k in self._redis.scan_iter(match=rs.LEASE_PATTERN, count=1000)]
         values = await self._redis.mget(keys) if keys else []
         seen = set()
-        for raw in values:
+        for key, raw in zip(keys, values):
             if raw is None:
                 continue
+            key = rs._text(key)
             try:
                 lease = rs.Lease.decode(raw)
+                if key != rs.lease_key(lease.worker_id):
+                    raise ValueError(f"lease: worker_id {lease.worker_id!r} does not match its key")
             except ValueError as e:
-                log.warning("router: ignoring %s", e)
+                self._reject(key, e)
                 continue
             if lease.epoch < self._epochs.get(lease.worker_id, 0):
                 continue                     # a fenced-off older process
@@ -137,6 +177,8 @@ class Cluster:
         if w is not None and w.lease.epoch == lease.epoch:
             w.on_heartbeat(lease)
             return
+        if not self._confirmed(lease):
+            return                              # not yet (or never): the current view stays
         if w is not None:
             log.info("router: worker %s restarted (epoch %d -> %d)", lease.worker_id, w.lease.epoch, lease.epoch)
             self._drop(lease.worker_id)
@@ -144,6 +186,27 @@ class Cluster:
             log.info("router: worker %s joined (%s, model %s)", lease.worker_id, lease.address, lease.model)
         self._epochs[lease.worker_id] = lease.epoch
         self.workers[lease.worker_id] = WorkerState(lease)
+
+    def _confirmed(self, lease: rs.Lease) -> bool:
+        """Whether a new (worker id, epoch) may be taken: at once without `verify`, else once
+        a probe of the lease's address confirmed it. Probes run as tasks (never blocking the
+        loop), one per worker id at a time, retried every resync_retry_s while they fail."""
+        if self.verify is None:
+            return True
+        epoch, task, retry_at = self._probes.get(lease.worker_id, (-1, None, 0.0))
+        if epoch == lease.epoch and task is not None and task.done():
+            ok = not task.cancelled() and task.exception() is None and task.result()
+            if ok:
+                del self._probes[lease.worker_id]
+                return True
+            self._reject(f"{rs.lease_key(lease.worker_id)}@{lease.epoch}",
+                         f"its address {lease.address} does not answer as worker {lease.worker_id} "
+                         f"epoch {lease.epoch}; retrying")
+            task, retry_at = None, time.monotonic() + self.resync_retry_s
+        if epoch != lease.epoch or (task is None and time.monotonic() >= retry_at):
+            task = asyncio.ensure_future(self.verify(lease))
+        self._probes[lease.worker_id] = (lease.epoch, task, retry_at)
+        return False
 
     def _drop(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
@@ -158,10 +221,22 @@ class Cluster:
                 await self._resync(w)
 
     async def _resync(self, w: WorkerState) -> None:
-        raw = await self._redis.get(rs.snapshot_key(w.id))
-        if raw is None:
+        key = rs.snapshot_key(w.id)
+        size = await self._redis.strlen(key)
+        if not size:
             return                              # keep what we have; retry later
-        snap = rs.Snapshot.decode(raw)
+        bound = min(rs.Snapshot.max_bytes(w.lease.num_blocks), self.max_snapshot_bytes)
+        if size > bound:                        # refused unread: a huge GET would stall the router
+            self._reject(key, f"snapshot of {size} bytes, more than {bound} for {w.lease.num_blocks} blocks")
+            return
+        raw = await self._redis.get(key)
+        try:
+            snap = rs.Snapshot.decode(raw or b"")
+            if snap.worker_id != w.id:
+                raise ValueError(f"snapshot: worker_id {snap.worker_id!r} does not match its key")
+        except ValueError as e:
+            self._reject(key, e)
+            return
         if snap.epoch != w.lease.epoch or self.workers.get(w.id) is not w:
             return
         self.index.replace_worker(w.id, snap.hashes)
@@ -209,7 +284,7 @@ class Cluster:
         try:
             batch = rs.EventBatch.from_fields(fields)
         except ValueError as e:
-            log.warning("router: ignoring %s", e)
+            self._reject("an event batch", e)
             return
         w = self.workers.get(batch.worker_id)
         if w is None or batch.epoch != w.lease.epoch or (only and batch.worker_id != only):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # The workers' (and vLLM's) bucket edges, so router and worker quantiles line up on one dashboard.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -59,3 +59,9 @@ class _ClusterCollector:
         yield live
         yield GaugeMetricFamily("pagoda_router_redis_connected", "1 while Redis answers",
                                 value=1.0 if self.cluster.connected else 0.0)
+        yield GaugeMetricFamily("pagoda_router_redis_sync_healthy", "1 while the Redis sync rounds are current",
+                                value=1.0 if self.cluster.healthy() else 0.0)
+        yield CounterMetricFamily("pagoda_router_redis_sync_errors", "Unexpected errors the sync loop survived",
+                                  value=self.cluster.sync_errors)
+        yield CounterMetricFamily("pagoda_router_redis_rejected_values", "Redis values refused by their schema",
+                                  value=self.cluster.rejected)

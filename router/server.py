@@ -5,29 +5,44 @@ blocks in the request's namespace, rank the model's live workers, credit the win
 the prefix speculatively, then proxy the stream as token ids. A worker that fails before its
 first response is marked in the circuit breaker and the next best one is tried; after the first
 response a failure ends the stream with UNAVAILABLE, since tokens cannot be taken back.
+
+Workers are not trusted blindly: one that sends nothing within the first-token deadline, or a
+stream that breaks the protocol (router/stream_check.py), counts as failed in the breaker; the
+tokenizer is pinned per model by the digest workers advertise in their leases, and a worker
+advertising another is not routed to. Request limits (protos/limits.py) are checked before any
+work, and with --api-keys-file each tenant gets its own cache salt and request-id scope.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import sys
 import time
 import uuid
 from typing import TYPE_CHECKING
+from collections import Counter
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protos import serving
 from protos.block_hash import block_hashes, namespace_root
+from protos.limits import Limits, check_fits, check_request
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-from protos.tokenization import PromptTokenizer, encode_prompt, prompt_field
+from protos.security import (AuthInterceptor, Identity, KeyRing, channel_credentials, identity, read_key,
+                             scoped_id, scoped_salt, server_credentials)
+from protos.serving import CLIENT_KEEPALIVE, StartupError, bind, check_port_free, server_options
+from protos.tokenization import PromptTokenizer, encode_prompt, prompt_field, tokenizer_digest
 from router.breaker import CircuitBreaker
 from router.cluster import Cluster
 from router.index import BlockIndex
 from router.metrics import RouterMetrics
 from router.scoring import Scorer, WorkerState
+from router.stream_check import BadStream, StreamChecker
 
 if TYPE_CHECKING:                   # openai_api imports this module; the router imports it only when serving HTTP
     from router.openai_api import OpenAIFront
@@ -37,9 +52,10 @@ log = logging.getLogger(__name__)
 _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                   grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
                   grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED}
-_CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.enable_retries", 0),
-                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+_CHANNEL_OPTIONS = CLIENT_KEEPALIVE + [("grpc.enable_retries", 0), ("grpc.initial_reconnect_backoff_ms", 100),
+                                      ("grpc.max_reconnect_backoff_ms", 1000),
+                                      ("grpc.max_receive_message_length", 64 << 20)]
+SYNC_SERVICE = "pagoda.router.RedisSync"
 
 
 class _Reject(Exception):
@@ -48,47 +64,72 @@ class _Reject(Exception):
         self.code, self.message = code, message
 
 
+@dataclass
+class _Pin:
+    """A model's tokenizer as the router uses it, pinned by the digest workers advertise."""
+    digest: str
+    info: pb.ModelInfoResponse
+    tokenizer: PromptTokenizer | None
+
+
 class RouterService(pb_grpc.GenerationServicer):
-    def __init__(self, cluster: Cluster, scorer: Scorer, metrics: RouterMetrics, max_attempts: int = 3):
+    def __init__(self, cluster: Cluster, scorer: Scorer, metrics: RouterMetrics, max_attempts: int = 3,
+                 limits: Limits = Limits(), first_token_timeout: float = 60.0,
+                 worker_credentials: grpc.ChannelCredentials | None = None, worker_key: str | None = None,
+                 keyring: KeyRing | None = None):
         self.cluster, self.scorer, self.metrics, self.max_attempts = cluster, scorer, metrics, max_attempts
+        self.limits, self.first_token_timeout, self.keyring = limits, first_token_timeout, keyring
+        self.worker_credentials = worker_credentials
+        self.worker_metadata = (("authorization", f"Bearer {worker_key}"),) if worker_key else None
         self.breaker = CircuitBreaker()
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.GenerationStub]] = {}
-        self._tokenizers: dict[str, PromptTokenizer] = {}
-        self._max_model_len: dict[str, int] = {}
-        self._tok_locks: dict[str, asyncio.Lock] = {}
+        self._pins: dict[str, _Pin] = {}
+        self._pin_locks: dict[str, asyncio.Lock] = {}
+        self._known_models: set[str] = set()
+        self._warned: set[tuple[str, str]] = set()
         cluster.on_worker_gone = self._forget_worker
 
     # -- Generation -------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context):
         try:
-            async for resp in self.generate(request, context.time_remaining()):
+            async for resp in self.generate(request, context.time_remaining(), identity(self.keyring, context)):
                 yield resp
         except _Reject as r:
             await context.abort(r.code, r.message)
 
-    async def generate(self, request: pb.GenerateRequest, timeout: float | None):
-        """Route and proxy one request (the gRPC and HTTP fronts share it); a refusal or failure
-        is raised as _Reject with the status to answer."""
+    async def generate(self, request: pb.GenerateRequest, timeout: float | None, ident: Identity | None = None):
+        """Route and proxy one request (the gRPC and HTTP fronts share it) for caller `ident`; a
+        refusal or failure is raised as _Reject with the status to answer."""
         policy = self.scorer.policy
         arrived = time.perf_counter()
+        upstream = pb.GenerateRequest()
         try:
+            check_request(request, self.limits)
             model, workers = self.candidates(request.model)
+            pin = await self._pinned(model, workers)
+            workers = self._same_tokenizer(model, workers, pin)
             t0 = time.perf_counter()
-            token_ids = await self._prompt_ids(model, workers, request)
-            ranked, hashes = self.rank(model, workers, request, token_ids)
+            field, token_ids = await self._prompt_ids(pin, request)
+            check_fits(field, len(token_ids), request.sampling, pin.info.max_model_len)
+            upstream.CopyFrom(request)
+            upstream.ClearField("text")
+            upstream.ClearField("messages")
+            upstream.token_ids[:] = token_ids
+            upstream.model = model
+            upstream.cache_salt = scoped_salt(ident, request.cache_salt)
+            ranked, hashes = self.rank(model, workers, upstream, token_ids)
             self.metrics.decision_seconds.labels(policy, model).observe(time.perf_counter() - t0)
+        except ValueError as e:
+            self.metrics.decisions.labels(policy, "rejected").inc()
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except _Reject:
             self.metrics.decisions.labels(policy, "rejected").inc()
             raise
-        upstream = pb.GenerateRequest()
-        upstream.CopyFrom(request)
-        upstream.ClearField("text")
-        upstream.ClearField("messages")
-        upstream.token_ids[:] = token_ids
-        upstream.model = model
-        upstream.request_id = request.request_id or uuid.uuid4().hex
-        last_error = None
+        request_id = request.request_id or uuid.uuid4().hex
+        upstream.request_id = scoped_id(ident, request_id)
+        checker = StreamChecker(request.sampling.n if request.sampling.HasField("n") else 1, pin.info.vocab_size)
+        last_error = "no worker tried"
         for attempt, choice in enumerate(ranked[:self.max_attempts]):
             w = choice.worker
             # A worker past its cooldown gets this request as its one trial: the breaker
@@ -96,30 +137,39 @@ class RouterService(pb_grpc.GenerationServicer):
             self.breaker.allow(w.id)
             w.credit(upstream.request_id, len(token_ids) - choice.cached_tokens, time.time())
             self.scorer.index.speculate(w.id, hashes)
-            call = self._stub(w).Generate(upstream, timeout=timeout)
+            call = self._stub(w).Generate(upstream, timeout=timeout, metadata=self.worker_metadata)
+            checker.reset()
+            wait = self.first_token_timeout
             try:
-                first = await call.read()
+                # A worker that takes calls and never answers costs at most this much.
+                first = await asyncio.wait_for(call.read(), wait)
+                if first is grpc.aio.EOF:
+                    raise BadStream("the stream ended before any response")
+                checker.check(first)
             except grpc.aio.AioRpcError as e:
                 w.uncredit(upstream.request_id)
-                last_error = e
                 if e.code() in _CLIENT_ERRORS:
                     self.metrics.attempts.labels(w.name, "rejected").inc()
                     self.metrics.decisions.labels(policy, "rejected").inc()
-                    raise _Reject(e.code(), e.details()) from None
-                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    self.breaker.failure(w.id)
-                self.metrics.attempts.labels(w.name, "failed_before_first").inc()
-                log.warning("worker %s failed before the first token (%s: %s); trying the next",
-                            w.id, e.code().name, e.details())
+                    raise _Reject(e.code(), _caller_field(e.details() or "", field)) from None
+                last_error = f"{e.code().name}: {e.details()}"
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.metrics.attempts.labels(w.name, "failed_before_first").inc()
+                    continue
+                self._failed_before_first(w, "failed_before_first", last_error)
+                continue
+            except (asyncio.TimeoutError, BadStream) as e:
+                call.cancel()
+                w.uncredit(upstream.request_id)
+                timed_out = isinstance(e, asyncio.TimeoutError)
+                last_error = f"no response within the first-token deadline ({wait:g}s)" if timed_out \
+                    else f"invalid stream: {e}"
+                self._failed_before_first(w, "timeout_before_first" if timed_out else "bad_stream", last_error)
                 continue
             except asyncio.CancelledError:
                 call.cancel()
                 w.uncredit(upstream.request_id)
                 raise
-            if first is grpc.aio.EOF:
-                last_error = None
-                self.metrics.attempts.labels(w.name, "empty").inc()
-                continue
             self.breaker.success(w.id)
             w.prefill_done(upstream.request_id, time.time())
             self.metrics.ttft.labels(policy, model).observe(time.perf_counter() - arrived)
@@ -127,15 +177,18 @@ class RouterService(pb_grpc.GenerationServicer):
             self.metrics.prompt_tokens.inc(len(token_ids))
             outcome = "ok" if attempt == 0 else "retried_ok"
             try:
-                async for resp in self._relay(first, call, policy, model, choice.cached_tokens):
+                async for resp in self._relay(first, call, policy, model, choice.cached_tokens, checker):
+                    resp.request_id = request_id        # the caller's id, not the tenant-scoped one
                     yield resp
-            except grpc.aio.AioRpcError as e:
+            except (grpc.aio.AioRpcError, BadStream) as e:
                 self.breaker.failure(w.id)
                 self.metrics.attempts.labels(w.name, "failed_mid_stream").inc()
                 self.metrics.decisions.labels(policy, "failed_mid_stream").inc()
+                detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) \
+                    else f"invalid stream: {e}"
                 raise _Reject(grpc.StatusCode.UNAVAILABLE,
-                              f"worker {w.id} failed mid-stream ({e.code().name}: {e.details()}); "
-                              "tokens already sent cannot be retried") from None
+                              f"worker {w.id} failed mid-stream ({detail}); tokens already sent cannot be retried") \
+                    from None
             finally:
                 call.cancel()               # no-op when finished; aborts the worker's request otherwise
                 w.finish(upstream.request_id, time.time())     # it no longer loads the worker
@@ -144,13 +197,17 @@ class RouterService(pb_grpc.GenerationServicer):
             self.metrics.e2e.labels(policy, model).observe(time.perf_counter() - arrived)
             return
         self.metrics.decisions.labels(policy, "failed").inc()
-        if last_error is not None and last_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            raise _Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, last_error.details())
-        detail = f"{last_error.code().name}: {last_error.details()}" if last_error is not None else "empty stream"
+        if last_error.startswith("RESOURCE_EXHAUSTED"):
+            raise _Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, last_error.split(": ", 1)[1])
         raise _Reject(grpc.StatusCode.UNAVAILABLE,
-                      f"no worker for model {model!r} could serve the request (last: {detail})")
+                      f"no worker for model {model!r} could serve the request (last: {last_error})")
 
-    async def _relay(self, first, call, policy, model, predicted):
+    def _failed_before_first(self, w: WorkerState, result: str, why: str) -> None:
+        self.breaker.failure(w.id)
+        self.metrics.attempts.labels(w.name, result).inc()
+        log.warning("worker %s failed before the first token (%s); trying the next", w.id, why)
+
+    async def _relay(self, first, call, policy, model, predicted, checker: StreamChecker):
         reported = False
         resp = first
         while resp is not grpc.aio.EOF:
@@ -161,26 +218,44 @@ class RouterService(pb_grpc.GenerationServicer):
                 reported = True
             yield resp
             resp = await call.read()
+            if resp is not grpc.aio.EOF:
+                checker.check(resp)
+        checker.check_complete()
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context):
         try:
             model, workers = self.candidates(request.model)
-            return await self._model_info(model, workers)
+            return (await self._pinned(model, workers)).info
         except _Reject as r:
             await context.abort(r.code, r.message)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
+            check_request(request, self.limits)
             model, workers = self.candidates(request.model)
-            return pb.TokenizeResponse(token_ids=await self._prompt_ids(model, workers, request))
+            pin = await self._pinned(model, workers)
+            return pb.TokenizeResponse(token_ids=(await self._prompt_ids(pin, request))[1])
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except _Reject as r:
             await context.abort(r.code, r.message)
+
+    async def tokenize(self, request) -> tuple[str, list[int], int]:
+        """(model, prompt token ids, its max_model_len) for a front that checks lengths itself."""
+        try:
+            check_request(request, self.limits)
+            model, workers = self.candidates(request.model)
+            pin = await self._pinned(model, workers)
+            return model, (await self._prompt_ids(pin, request))[1], pin.info.max_model_len
+        except ValueError as e:
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     # -- helpers ----------------------------------------------------------------------------
 
     def candidates(self, model: str) -> tuple[str, list[WorkerState]]:
         """The model a request names (or the only one served) and its live workers."""
         models = self.cluster.models()
+        self._known_models.update(models)
         if not model:
             if len(models) > 1:
                 raise _Reject(grpc.StatusCode.INVALID_ARGUMENT,
@@ -190,24 +265,23 @@ class RouterService(pb_grpc.GenerationServicer):
             model = models[0]
         workers = self.cluster.live(model)
         if not workers:
-            raise _Reject(grpc.StatusCode.UNAVAILABLE, f"model: no live worker serves {model!r}"
+            # A model served before is only down for now (retry); one never seen is unknown.
+            code = grpc.StatusCode.UNAVAILABLE if model in self._known_models else grpc.StatusCode.NOT_FOUND
+            raise _Reject(code, f"model: no live worker serves {model!r}"
                           + (f" (served: {', '.join(models)})" if models else ""))
         return model, workers
 
-    async def _prompt_ids(self, model, workers, request) -> list[int]:
-        try:
-            tok = None if prompt_field(request) == "token_ids" else await self._tokenizer(model, workers)
-            return encode_prompt(tok, request)[1]
-        except ValueError as e:       # names the field; a template error is the caller's input too
-            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-
-    async def tokenize(self, request) -> tuple[str, list[int], int]:
-        """(model, prompt token ids, its max_model_len) for a front that checks lengths itself."""
-        model, workers = self.candidates(request.model)
-        ids = await self._prompt_ids(model, workers, request)
-        if model not in self._max_model_len:
-            self._max_model_len[model] = (await self._model_info(model, workers)).max_model_len
-        return model, ids, self._max_model_len[model]
+    async def _prompt_ids(self, pin: _Pin, request) -> tuple[str, list[int]]:
+        """(the field that carried the prompt, its ids); tokenising runs in a thread so that a
+        long prompt does not stall every other stream on the event loop."""
+        field = prompt_field(request)
+        if field != "token_ids" and pin.tokenizer is None:
+            raise _Reject(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{field}: model {pin.info.model!r} has no tokenizer; send token_ids")
+        if request.HasField("text") and not request.text:
+            raise ValueError("text: the prompt is empty")
+        # A template error is the caller's input too: ValueError names the field.
+        return await asyncio.to_thread(encode_prompt, pin.tokenizer, request)
 
     def rank(self, model, workers, request, token_ids):
         """The routing decision, with no I/O: candidates best first, and the prompt's block hashes."""
@@ -218,34 +292,76 @@ class RouterService(pb_grpc.GenerationServicer):
         return self.scorer.rank(model, allowed, len(token_ids), hashes, self.max_attempts,
                                 request.sampling.max_tokens or None), hashes
 
-    async def _model_info(self, model, workers) -> pb.ModelInfoResponse:
-        last = None
-        for w in sorted(workers, key=lambda w: self.breaker.is_open(w.id)):
-            try:
-                return await self._stub(w).GetModelInfo(pb.ModelInfoRequest(model=model), timeout=10)
-            except grpc.aio.AioRpcError as e:
-                last = e
-        raise _Reject(grpc.StatusCode.UNAVAILABLE, f"model {model!r}: no worker answered GetModelInfo "
-                      f"({last.code().name if last else ''})")
+    async def _pinned(self, model: str, workers: list[WorkerState]) -> _Pin:
+        """The model's info and tokenizer, pinned to one tokenizer digest: the one most live
+        workers advertise, fetched from one of them and checked against it. Re-pinned only
+        when no live worker advertises the pinned digest any more (a new model version)."""
+        pin = self._pins.get(model)
+        if pin is not None and any(w.lease.tokenizer_digest == pin.digest for w in workers):
+            return pin
+        async with self._pin_locks.setdefault(model, asyncio.Lock()):
+            pin = self._pins.get(model)
+            if pin is not None and any(w.lease.tokenizer_digest == pin.digest for w in workers):
+                return pin
+            last = "no worker"
+            for digest, _ in Counter(w.lease.tokenizer_digest for w in workers).most_common():
+                for w in sorted((w for w in workers if w.lease.tokenizer_digest == digest),
+                                key=lambda w: self.breaker.is_open(w.id)):
+                    try:
+                        info = await self._stub(w).GetModelInfo(pb.ModelInfoRequest(model=model), timeout=10,
+                                                                metadata=self.worker_metadata)
+                    except grpc.aio.AioRpcError as e:
+                        last = f"{w.id}: {e.code().name}"
+                        continue
+                    actual = tokenizer_digest(info.tokenizer_json, info.tokenizer_config_json)
+                    if actual != digest:
+                        log.warning("worker %s advertises tokenizer %s but serves %s; not using it",
+                                    w.id, digest, actual)
+                        last = f"{w.id}: tokenizer digest mismatch"
+                        continue
+                    tok = await asyncio.to_thread(PromptTokenizer, info.tokenizer_json,
+                                                  info.tokenizer_config_json) if info.tokenizer_json else None
+                    if pin is not None:
+                        log.warning("model %r: tokenizer re-pinned %s -> %s", model, pin.digest, digest)
+                    pin = self._pins[model] = _Pin(digest, info, tok)
+                    return pin
+            raise _Reject(grpc.StatusCode.UNAVAILABLE, f"model {model!r}: no worker answered GetModelInfo ({last})")
 
-    async def _tokenizer(self, model, workers) -> PromptTokenizer:
-        if model in self._tokenizers:
-            return self._tokenizers[model]
-        async with self._tok_locks.setdefault(model, asyncio.Lock()):
-            if model not in self._tokenizers:
-                info = await self._model_info(model, workers)
-                if not info.tokenizer_json:
-                    raise _Reject(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"model {model!r}: workers serve no tokenizer; send token_ids")
-                self._tokenizers[model] = PromptTokenizer(info.tokenizer_json, info.tokenizer_config_json or "{}")
-        return self._tokenizers[model]
+    def _same_tokenizer(self, model: str, workers: list[WorkerState], pin: _Pin) -> list[WorkerState]:
+        """Workers whose advertised tokenizer is not the pinned one would see other token ids
+        than the router hashed (and than the client meant): not routed to, logged once."""
+        same = [w for w in workers if w.lease.tokenizer_digest == pin.digest]
+        for w in workers:
+            if w.lease.tokenizer_digest != pin.digest and (w.id, w.lease.tokenizer_digest) not in self._warned:
+                self._warned.add((w.id, w.lease.tokenizer_digest))
+                log.warning("worker %s advertises tokenizer %r for model %r, not the pinned %s: not routing to it",
+                            w.id, w.lease.tokenizer_digest, model, pin.digest)
+        return same
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if self.worker_credentials is not None:
+            return grpc.aio.secure_channel(address, self.worker_credentials, options=_CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
 
     def _stub(self, w: WorkerState) -> pb_grpc.GenerationStub:
         entry = self._stubs.get(w.lease.address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(w.lease.address, options=_CHANNEL_OPTIONS)
+            channel = self._channel(w.lease.address)
             entry = self._stubs[w.lease.address] = (channel, pb_grpc.GenerationStub(channel))
         return entry[1]
+
+    async def verify(self, lease) -> bool:
+        """Does the lease's address answer as that worker id and epoch? (Cluster asks before a
+        worker id moves to a new epoch, so a forged lease in Redis cannot fence a real worker.)"""
+        channel = self._channel(lease.address)
+        try:
+            info = await pb_grpc.GenerationStub(channel).GetModelInfo(
+                pb.ModelInfoRequest(model=lease.model), timeout=2, metadata=self.worker_metadata)
+            return info.worker_id == lease.worker_id and info.epoch == lease.epoch
+        except grpc.aio.AioRpcError:
+            return False
+        finally:
+            await channel.close(grace=None)
 
     def _forget_worker(self, worker_id: str) -> None:
         self.breaker.forget(worker_id)
@@ -260,29 +376,51 @@ class RouterService(pb_grpc.GenerationServicer):
         self._stubs.clear()
 
 
+def _caller_field(message: str, field: str) -> str:
+    """A worker names token_ids (all it was sent); the caller sent `field`."""
+    return field + message[len("token_ids"):] if message.startswith("token_ids:") and field != "token_ids" \
+        else message
+
+
 class Router:
     """One router: Redis sync task, gRPC server, optional metrics endpoint."""
 
-    def __init__(self, redis_url: str, host: str = "0.0.0.0", port: int = 50050, metrics_port: int = 0,
-                 policy: str = "prefix_aware", index_max_blocks: int = 1_000_000,
-                 speculative_ttl_s: float = 10.0, max_attempts: int = 3, http_port: int = 0):
-        self.index = BlockIndex(index_max_blocks, speculative_ttl_s)
-        self.cluster = Cluster(redis_url, self.index)
+    def __init__(self, a):
+        self.args = a
+        self.index = BlockIndex(a.index_max_blocks, a.speculative_ttl)
+        self.cluster = Cluster(a.redis_url, self.index, max_snapshot_bytes=a.max_snapshot_bytes)
         self.metrics = RouterMetrics(self.cluster, self.index)
-        self.service = RouterService(self.cluster, Scorer(policy, self.index), self.metrics, max_attempts)
-        self.host, self.port, self.metrics_port, self.http_port = host, port, metrics_port, http_port
-        self.http: OpenAIFront | None = None
-        self.server = grpc.aio.server()
+        try:
+            creds = server_credentials(a.tls_cert, a.tls_key, a.tls_client_ca)
+            worker_creds = channel_credentials(a.worker_tls_ca, a.worker_tls_cert, a.worker_tls_key)
+            self.keyring = KeyRing(a.api_keys_file) if a.api_keys_file else None
+            worker_key = read_key(a.worker_api_key_file) if a.worker_api_key_file else None
+        except (OSError, ValueError) as e:
+            raise StartupError(f"TLS/keys: {e}") from None
+        self.service = RouterService(self.cluster, Scorer(a.policy, self.index), self.metrics, a.max_attempts,
+                                     Limits.from_args(a), a.first_token_timeout, worker_creds, worker_key,
+                                     self.keyring)
+        self.cluster.verify = self.service.verify
+        self.host = a.host
+        interceptors = [AuthInterceptor(self.keyring)] if self.keyring else []
+        self.server = grpc.aio.server(options=server_options(a.max_concurrent_streams), interceptors=interceptors)
         self.health = health.aio.HealthServicer()
+        # Ports first, before anything connects anywhere: a taken one is one line naming it.
+        self.port = bind(self.server, a.host, a.port, "--port", creds)
+        self.metrics_port = serving.metrics_port(a.metrics_port, a.port)
+        check_port_free(a.host, self.metrics_port, "--metrics-port")
+        self.http_port = a.http_port
+        self.http: OpenAIFront | None = None
+        check_port_free(a.host, self.http_port, "--http-port")
 
     async def start(self) -> int:
         pb_grpc.add_GenerationServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
         reflection.enable_server_reflection([name, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
-        if not self.port:
-            raise OSError(f"port: cannot bind {self.host}")
+        if self.metrics_port:
+            from prometheus_client import start_http_server
+            start_http_server(self.metrics_port, addr=self.host, registry=self.metrics.registry)
         await self.cluster.start()
         await self.cluster.wait_synced(2.0)
         await self.server.start()
@@ -292,12 +430,23 @@ class Router:
             from router.openai_api import OpenAIFront
             self.http = OpenAIFront(self.service)
             await self.http.start(self.host, self.http_port)
-        if self.metrics_port:
-            from prometheus_client import start_http_server
-            start_http_server(self.metrics_port, registry=self.metrics.registry)
+        self._sync_health = asyncio.create_task(self._report_sync())
         return self.port
 
+    async def _report_sync(self) -> None:
+        """Health service SYNC_SERVICE follows the Redis sync's freshness (readiness for
+        probes that want a current view; the router itself keeps serving on its last view)."""
+        last = None
+        while True:
+            status = health_pb2.HealthCheckResponse.SERVING if self.cluster.healthy() \
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            if status != last:
+                await self.health.set(SYNC_SERVICE, status)
+                last = status
+            await asyncio.sleep(0.5)
+
     async def stop(self, grace: float = 2.0) -> None:
+        self._sync_health.cancel()
         await self.health.enter_graceful_shutdown()
         if self.http is not None:
             await self.http.stop()
@@ -307,11 +456,10 @@ class Router:
 
 
 async def _serve(a) -> None:
-    router = Router(a.redis_url, a.host, a.port, a.metrics_port, a.policy, a.index_max_blocks,
-                    a.speculative_ttl, a.max_attempts, a.http_port)
+    router = Router(a)
     port = await router.start()
     log.info("router listening on %s:%d (policy %s, metrics port %s)", a.host, port, a.policy,
-             a.metrics_port or "off")
+             router.metrics_port or "off")
     print(f"router listening on {a.host}:{port}", flush=True)
     if a.http_port:
         print(f"router OpenAI-compatible HTTP at http://{a.host}:{a.http_port}/v1", flush=True)
@@ -319,6 +467,8 @@ async def _serve(a) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if router.keyring is not None:
+        loop.add_signal_handler(signal.SIGHUP, router.keyring.reload)
     await stop.wait()
     await router.stop()
 
@@ -327,4 +477,8 @@ def main(argv: list[str] | None = None) -> None:
     from router.args import build_parser
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(a))
+    try:
+        asyncio.run(_serve(a))
+    except StartupError as e:       # a taken port, a missing certificate: one line saying what to change
+        print(f"pagoda router: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -85,7 +85,7 @@ def test_other_namespaces_and_models_never_match(redis_server, start_fake_worker
     _, err = generate(stub, ids)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "model" in err.details()
     _, err = generate(stub, ids, model="zzz")
-    assert err.code() == grpc.StatusCode.UNAVAILABLE and "zzz" in err.details()
+    assert err.code() == grpc.StatusCode.NOT_FOUND and "zzz" in err.details()
 
 
 def test_errors_tokenization_health_and_reflection(redis_server, start_fake_worker, start_router):
@@ -94,9 +94,9 @@ def test_errors_tokenization_health_and_reflection(redis_server, start_fake_work
     router = start_router(redis_server.url)
     stub = stub_for(router)
     wait_for(lambda: metric(router, "pagoda_router_live_workers", model="m") == 2, 5, "workers")
-    # The worker's INVALID_ARGUMENT reaches the client once: no retry, no circuit breaking.
+    # Refused at the router naming the field the caller sent: no retry, no circuit breaking.
     _, err = generate(stub, token_ids=[], text="")
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in err.details()
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("text:")
     _, err = generate(stub, [1, 2, 3], text="a b")
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "text/messages/token_ids" in err.details()
     assert metric(router, "pagoda_router_decisions_total", outcome="rejected", policy="prefix_aware") == 2

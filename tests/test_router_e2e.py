@@ -129,7 +129,7 @@ def test_other_salt_or_model_never_matches(cluster, start_router):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "adapter" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         ask(stub, 300, 0, model="another-model")
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "another-model" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "another-model" in e.value.details()
 
 
 def test_redis_stopped_and_started_mid_run(cluster, start_router):

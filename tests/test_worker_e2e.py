@@ -160,7 +160,9 @@ def _bad_requests(vocab_size):
         ("token_ids", pb.GenerateRequest(token_ids=long_ids)),
         # Fits max_model_len (512) but prompt + max_tokens can never fit the 384-token pool.
         ("max_tokens", pb.GenerateRequest(token_ids=[5] * 200, sampling=pb.SamplingParams(max_tokens=300))),
-        ("model", pb.GenerateRequest(text="hi", model="no-such-model")),
+        ("n", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(n=100_000))),
+        ("max_tokens", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=MAX_LEN))),
+        ("text", pb.GenerateRequest(text="x" * (2 << 20))),
         ("text, token_ids", pb.GenerateRequest(text="hi", token_ids=[1, 2])),
         ("stop", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop=[f"s{i}" for i in range(17)]))),
     ]
@@ -176,6 +178,19 @@ def test_every_invalid_field_is_named_and_the_worker_carries_on(client):
         ok = client.complete("still serving?", max_tokens=3, temperature=0.0, ignore_eos=True)
         assert ok.finish_reason == "length" and len(ok.token_ids) == 3
     assert wait_idle(client).free_blocks == NUM_BLOCKS
+
+
+def test_unknown_model_is_not_found_and_a_long_text_names_text(client, worker):
+    stub = client.generation
+    for call in (lambda: list(stub.Generate(pb.GenerateRequest(text="hi", model="no-such-model"))),
+                 lambda: stub.GetModelInfo(pb.ModelInfoRequest(model="no-such-model")),
+                 lambda: stub.Tokenize(pb.TokenizeRequest(text="hi", model="no-such-model"))):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and err.value.details().startswith("model:")
+    with pytest.raises(grpc.RpcError) as err:            # more tokens than max_model_len, sent as text
+        list(client.generate_request(pb.GenerateRequest(text="fox " * (MAX_LEN + 10))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("text:")
 
 
 def test_health_and_reflection(worker):

@@ -35,6 +35,9 @@ _LISTEN = re.compile(r"listening on [^\s]+:(\d+)")
 
 # -- the stand-in worker ----------------------------------------------------------------------
 
+TOKENIZER_CONFIG = json.dumps({"add_bos_token": False})
+
+
 def word_tokenizer_json() -> str:
     """A word-level tokenizer: one id per lowercase letter word a..z plus unknown."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -89,7 +92,8 @@ class FakeEngine:
 
 
 def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_json: str,
-              fail_first: int = 0, fail_code: str = "UNAVAILABLE"):
+              fail_first: int = 0, fail_code: str = "UNAVAILABLE", epoch: int = 0, hang: bool = False,
+              misbehave: str = ""):
     import grpc
 
     from protos.pagoda.v1 import pagoda_pb2 as pb
@@ -99,6 +103,8 @@ def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_
 
     class Servicer(pb_grpc.GenerationServicer):
         async def Generate(self, request, context):
+            if hang:                              # takes calls and never answers
+                await asyncio.sleep(3600)
             if failures_left[0] > 0:             # a sick worker, for the circuit breaker
                 failures_left[0] -= 1
                 await context.abort(grpc.StatusCode[fail_code], "stand-in told to fail")
@@ -118,6 +124,10 @@ def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_
                     last = i == n - 1
                     resp = pb.GenerateResponse(request_id=request.request_id, token_ids=[i], text="x",
                                                finished=last, worker_id=worker_id)
+                    if misbehave == "index":             # a sequence the request never asked for
+                        resp.index = 7
+                    elif misbehave == "no_finish" and last:
+                        return                           # ends the stream OK without finishing
                     if last:
                         resp.finish_reason = pb.FINISH_REASON_LENGTH
                         resp.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=n,
@@ -131,8 +141,7 @@ def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_
         async def GetModelInfo(self, request, context):
             return pb.ModelInfoResponse(model=engine.model_name, block_size=engine.block_size,
                                         max_model_len=4096, vocab_size=105, tokenizer_json=tokenizer_json,
-                                        tokenizer_config_json=json.dumps({"add_bos_token": False}),
-                                        worker_id=worker_id)
+                                        tokenizer_config_json=TOKENIZER_CONFIG, worker_id=worker_id, epoch=epoch)
 
     return Servicer()
 
@@ -144,18 +153,21 @@ async def _serve_fake(a) -> None:
     from gpu_worker.publisher import Publisher
     from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 
+    from protos.tokenization import tokenizer_digest
     engine = FakeEngine(a.model, a.block_size, a.num_blocks)
     server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(_servicer(engine, a.worker_id, a.token_delay, word_tokenizer_json(),
-                                                       a.fail_first, a.fail_code),
+    tok_json = word_tokenizer_json()
+    pub = Publisher(a.redis_url, a.worker_id, a.model, "", engine, heartbeat_s=a.heartbeat, snapshot_s=a.snapshot,
+                    tokenizer_digest=a.tokenizer_digest or tokenizer_digest(tok_json, TOKENIZER_CONFIG))
+    pb_grpc.add_GenerationServicer_to_server(_servicer(engine, a.worker_id, a.token_delay, tok_json,
+                                                       a.fail_first, a.fail_code, pub.epoch, a.hang, a.misbehave),
                                              server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     port = server.add_insecure_port(f"127.0.0.1:{a.port}")
     await server.start()
     await hs.set("", health_pb2.HealthCheckResponse.SERVING)
-    pub = Publisher(a.redis_url, a.worker_id, a.model, f"127.0.0.1:{port}", engine,
-                    heartbeat_s=a.heartbeat, snapshot_s=a.snapshot)
+    pub.address = f"127.0.0.1:{port}"
     await pub.start()
     print(f"fake worker {a.worker_id} listening on 127.0.0.1:{port}", flush=True)
     stop = asyncio.Event()
@@ -180,6 +192,10 @@ def main(argv=None) -> None:
     p.add_argument("--snapshot", type=float, default=5.0)
     p.add_argument("--fail-first", type=int, default=0, help="answer the first N calls with --fail-code")
     p.add_argument("--fail-code", default="UNAVAILABLE", help="gRPC status name of those answers")
+    p.add_argument("--hang", action="store_true", help="take Generate calls and never answer them")
+    p.add_argument("--misbehave", choices=["", "index", "no_finish"], default="",
+                   help="break the stream protocol: a bad sequence index, or no finished response")
+    p.add_argument("--tokenizer-digest", default="", help="advertise this digest instead of the real one")
     asyncio.run(_serve_fake(p.parse_args(argv)))
 
 
@@ -255,7 +271,7 @@ def start_fake_worker(cluster_procs, tmp_path):
     def start(redis_url: str, worker_id: str, model: str = "m", **opts) -> Proc:
         args = ["-m", "tests.plugins.cluster", "--redis-url", redis_url, "--worker-id", worker_id, "--model", model]
         for k, v in opts.items():
-            args += ["--" + k.replace("_", "-"), str(v)]
+            args += ["--" + k.replace("_", "-")] + ([] if v is True else [str(v)])
         return _spawn(args, tmp_path, worker_id, cluster_procs)
     return start
 

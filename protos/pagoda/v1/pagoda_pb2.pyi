@@ -172,7 +172,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "block_size", "vocab_size", "eos_token_ids", "tokenizer_json", "tokenizer_config_json", "worker_id")
+    __slots__ = ("model", "max_model_len", "block_size", "vocab_size", "eos_token_ids", "tokenizer_json", "tokenizer_config_json", "worker_id", "epoch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,7 @@ class ModelInfoResponse(_message.Message):
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     block_size: int
@@ -189,7 +190,8 @@ class ModelInfoResponse(_message.Message):
     tokenizer_json: str
     tokenizer_config_json: str
     worker_id: str
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., tokenizer_config_json: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., tokenizer_config_json: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "text", "messages", "add_generation_prompt")

@@ -1,0 +1,161 @@
+"""TLS credentials and API-key authentication, shared by router and worker (no torch here).
+
+Keys file (--api-keys-file): one key per line, `KEY TENANT [admin]`; blank lines and `#`
+comments are skipped. It is read at start and again on SIGHUP (a file that fails to parse on
+reload leaves the previous keys in force). Clients send `authorization: Bearer KEY`.
+
+Without a valid key every call but health checks and reflection is UNAUTHENTICATED; Admin calls
+need an admin key (PERMISSION_DENIED otherwise). A tenant's requests get the tenant folded into
+their cache salt, so tenants never share cached blocks (no prefix-cache timing side channel),
+and their request ids are scoped to the tenant. Admin keys are trusted to act for every tenant:
+the router reaches workers with one, passing requests it has already scoped.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_ADMIN_PREFIX = "/pagoda.v1.Admin/"
+
+
+@dataclass(frozen=True)
+class Identity:
+    tenant: str
+    admin: bool = False
+
+
+def read_keys(path: str) -> dict[str, Identity]:
+    keys: dict[str, Identity] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        parts = line.split("#", 1)[0].split()
+        if not parts:
+            continue
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "admin"):
+            raise ValueError(f"{path}:{n}: expected `KEY TENANT [admin]`")
+        if parts[0] in keys:
+            raise ValueError(f"{path}:{n}: key listed twice")
+        keys[parts[0]] = Identity(parts[1], len(parts) == 3)
+    if not keys:
+        raise ValueError(f"{path}: no keys")
+    return keys
+
+
+def read_key(path: str) -> str:
+    """The single key in a file (the router's own key to workers)."""
+    key = Path(path).read_text().strip()
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"{path}: expected one key and nothing else")
+    return key
+
+
+class KeyRing:
+    """The keys in force; `identify` maps a call's metadata to an Identity (or None)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.keys = read_keys(path)
+
+    def reload(self) -> None:
+        try:
+            self.keys = read_keys(self.path)
+            log.info("api keys reloaded from %s: %d keys", self.path, len(self.keys))
+        except (OSError, ValueError) as e:
+            log.error("api keys: reload failed (%s); the previous keys stay in force", e)
+
+    def identify(self, metadata) -> Identity | None:
+        for k, v in metadata or ():
+            if k == "authorization" and isinstance(v, str) and v.startswith("Bearer "):
+                return self.keys.get(v[7:].strip())
+        return None
+
+
+def identity(keyring: KeyRing | None, context) -> Identity | None:
+    """The caller of a handler's call (None when the server runs without keys)."""
+    return keyring.identify(context.invocation_metadata()) if keyring is not None else None
+
+
+def scoped_salt(ident: Identity | None, cache_salt: str) -> str:
+    return cache_salt if ident is None or ident.admin else f"tenant:{ident.tenant}\x00{cache_salt}"
+
+
+def scoped_id(ident: Identity | None, request_id: str) -> str:
+    return request_id if ident is None or ident.admin else f"{ident.tenant}/{request_id}"
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without a valid key (UNAUTHENTICATED) and Admin calls without an admin
+    key (PERMISSION_DENIED) before the handler runs; health and reflection stay open."""
+
+    def __init__(self, keyring: KeyRing):
+        self.keyring = keyring
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or method.startswith(_OPEN_PREFIXES):
+            return handler
+        ident = self.keyring.identify(details.invocation_metadata)
+        if ident is None:
+            return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED,
+                           "authorization: send `authorization: Bearer KEY` with a valid key")
+        if method.startswith(_ADMIN_PREFIX) and not ident.admin:
+            return _refuse(handler, grpc.StatusCode.PERMISSION_DENIED,
+                           f"authorization: {method.rsplit('/', 1)[-1]} needs an admin key")
+        return handler
+
+
+def _refuse(handler, code: grpc.StatusCode, message: str):
+    async def deny(request_or_iterator, context):
+        await context.abort(code, message)
+
+    kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return kind[(handler.request_streaming, handler.response_streaming)](
+        deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def server_credentials(cert: str | None, key: str | None, client_ca: str | None) -> grpc.ServerCredentials | None:
+    """TLS when cert and key are given; mTLS (client certificates required) with client_ca."""
+    if not cert and not key:
+        if client_ca:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (cert and key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    ca = _read(client_ca)
+    return grpc.ssl_server_credentials([(_read(key), _read(cert))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def channel_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials | None:
+    """For the router's channels to workers: TLS when a CA is given (client cert for mTLS)."""
+    if bool(cert) != bool(key):
+        raise ValueError("--worker-tls-cert and --worker-tls-key go together")
+    if not ca and not cert:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca), private_key=_read(key),
+                                        certificate_chain=_read(cert))
+
+
+def add_flags(p, worker_side: bool) -> None:
+    """The TLS and key flags a server takes (the router also the ones for its worker channels)."""
+    g = p.add_argument_group("TLS and authentication")
+    g.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
+    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-client-ca", help="PEM CA: require client certificates it signed (mTLS)")
+    g.add_argument("--api-keys-file", help="`KEY TENANT [admin]` per line; reloaded on SIGHUP")
+    if not worker_side:
+        g.add_argument("--worker-tls-ca", help="PEM CA to verify workers' certificates (TLS to workers)")
+        g.add_argument("--worker-tls-cert", help="PEM client certificate for workers that require mTLS")
+        g.add_argument("--worker-tls-key", help="PEM private key of --worker-tls-cert")
+        g.add_argument("--worker-api-key-file", help="file holding the key the router sends to workers "
+                       "(an admin key in their --api-keys-file)")
