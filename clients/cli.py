@@ -37,6 +37,10 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")
     p.add_argument("--ca-cert", default=None, help="PEM file of the root certificate to trust (implies --tls)")
+    p.add_argument("--cert", default=None, help="PEM client certificate, for servers that require mTLS")
+    p.add_argument("--key", default=None, help="PEM private key of --cert")
+    p.add_argument("--api-key", default=None, help="sent as `authorization: Bearer KEY` "
+                   "(default: $PAGODA_API_KEY)")
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
                    help="gRPC metadata to send (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per chunk; the last carries usage")
@@ -66,10 +70,13 @@ def run_generate(argv: list[str]) -> int:
             return 2
         metadata.append((key.lower(), value))
     root = open(a.ca_cert, "rb").read() if a.ca_cert else None
+    cert = open(a.cert, "rb").read() if a.cert else None
+    key = open(a.key, "rb").read() if a.key else None
     sampling = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                     seed=a.seed, stop=a.stop)
     try:
-        with PagodaClient(a.target, tls=a.tls, root_certificates=root, metadata=metadata) as client:
+        with PagodaClient(a.target, tls=a.tls, root_certificates=root, private_key=key, certificate_chain=cert,
+                          metadata=metadata, api_key=a.api_key) as client:
             for c in client.generate(a.prompt, system=a.system, model=a.model, timeout=a.timeout, **sampling):
                 if a.json:
                     print(_chunk_json(c), flush=True)

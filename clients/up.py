@@ -67,9 +67,10 @@ def wait_redis(port: int, proc: subprocess.Popen | None, timeout: float) -> None
         time.sleep(0.05)
 
 
-def wait_serving(address: str, proc: subprocess.Popen, what: str, timeout: float) -> None:
+def wait_serving(address: str, proc: subprocess.Popen, what: str, timeout: float,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    with (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             if proc.poll() is not None:

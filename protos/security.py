@@ -37,6 +37,8 @@ def read_keys(path: str) -> dict[str, Identity]:
             continue
         if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "admin"):
             raise ValueError(f"{path}:{n}: expected `KEY TENANT [admin]`")
+        if not parts[1].isprintable():       # the tenant delimits cache-salt namespaces
+            raise ValueError(f"{path}:{n}: the tenant must be printable")
         if parts[0] in keys:
             raise ValueError(f"{path}:{n}: key listed twice")
         keys[parts[0]] = Identity(parts[1], len(parts) == 3)

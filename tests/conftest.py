@@ -12,6 +12,7 @@ pytest_plugins = [
     "tests.plugins.redis",
     "tests.plugins.cluster",
     "tests.plugins.engine",
+    "tests.plugins.certs",
 ]
 # tests/plugins/helm.py holds helpers, no fixtures: the chart tests import it themselves, so a
 # host without the chart tools (yaml, helm_python) still collects everything else.

@@ -53,7 +53,7 @@ class WorkerHandle:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, credentials=None) -> None:
         deadline = time.monotonic() + timeout
         while self.port is None:
             m = _LISTEN.search(self.log())
@@ -68,7 +68,7 @@ class WorkerHandle:
                 time.sleep(0.1)
         try:
             from clients.up import wait_serving  # needs grpc: imported only when a worker starts
-            wait_serving(self.address, self.proc, "worker", max(deadline - time.monotonic(), 0.1))
+            wait_serving(self.address, self.proc, "worker", max(deadline - time.monotonic(), 0.1), credentials)
         except (RuntimeError, TimeoutError) as e:
             raise type(e)(f"{e}:\n{self.log()[-4000:]}") from None
 
@@ -94,6 +94,8 @@ class WorkerHandle:
 
 def launch_worker(model_dir: str, log_dir: Path, metrics: bool = False, timeout: float = 120.0,
                   env: dict | None = None, **flags) -> WorkerHandle:
+    """With tls_cert/tls_client_ca flags (a test CA that signed both sides), readiness is
+    checked over mTLS with the client certificate beside the CA (tests/plugins/certs.py)."""
     flags = {**DEFAULT_FLAGS, **flags}
     if metrics:
         flags["metrics_port"] = free_port()
@@ -106,12 +108,21 @@ def launch_worker(model_dir: str, log_dir: Path, metrics: bool = False, timeout:
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     handle = WorkerHandle(proc, log_path, flags["metrics_port"])
     try:
-        handle.wait_ready(timeout)
+        handle.wait_ready(timeout, _test_credentials(flags))
     except Exception:
         handle.kill()
         proc.wait()
         raise
     return handle
+
+
+def _test_credentials(flags: dict):
+    if not flags.get("tls_cert"):
+        return None
+    import grpc
+    folder = Path(flags["tls_cert"]).parent
+    return grpc.ssl_channel_credentials((folder / "ca.pem").read_bytes(), (folder / "client.key").read_bytes(),
+                                        (folder / "client.pem").read_bytes())
 
 
 def _factory(tmp_path_factory):
