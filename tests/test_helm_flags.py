@@ -88,7 +88,12 @@ def test_values_map_one_to_one_onto_flags():
     expect = {
         "router": {"index_max_blocks": r["indexMaxBlocks"], "speculative_ttl": r["speculativeTtl"],
                    "max_attempts": r["maxAttempts"], "port": 50050, "metrics_port": 9101, "http_port": 8000,
-                   "redis_url": "redis://rel-pagoda-redis:6379/0", "policy": "prefix_aware"},
+                   "redis_url": "redis://rel-pagoda-redis:6379/0", "policy": "prefix_aware",
+                   "first_token_timeout": 20, "max_snapshot_bytes": 1 << 24, "max_concurrent_streams": 512,
+                   "max_n": 4, "max_id_bytes": 128, "tls_cert": "/etc/pagoda/tls/tls.crt",
+                   "tls_client_ca": "/etc/pagoda/tls/ca.crt", "api_keys_file": "/etc/pagoda/api-keys/api-keys",
+                   "worker_tls_ca": "/etc/pagoda/worker-tls/ca.crt", "worker_tls_key": "/etc/pagoda/worker-tls/tls.key",
+                   "worker_api_key_file": "/etc/pagoda/worker-api-key/worker-api-key"},
         "worker": {"kv_cache_memory": w["kvCacheMemory"], "num_kv_blocks": w["numKvBlocks"],
                    "max_num_batched_tokens": w["maxNumBatchedTokens"], "max_model_len": w["maxModelLen"],
                    "max_waiting": w["maxWaiting"], "heartbeat_interval": w["heartbeatInterval"],
@@ -96,7 +101,9 @@ def test_values_map_one_to_one_onto_flags():
                    "metrics_prefix": "vllm",
                    "dtype": "bfloat16", "block_size": 32, "no_prefix_caching": True, "enforce_eager": True, "port": 50051,
                    "redis_url": "redis://rel-pagoda-redis:6379/0", "gpu_memory_utilization": 0.9,
-                   "max_num_seqs": 256, "drain_grace_seconds": 30, "log_level": "INFO"},
+                   "max_num_seqs": 256, "drain_grace_seconds": 30, "log_level": "INFO",
+                   "max_concurrent_streams": 4096, "max_prompt_bytes": 1 << 19, "max_stop": 8,
+                   "tls_key": "/etc/pagoda/tls/tls.key", "api_keys_file": "/etc/pagoda/api-keys/api-keys"},
     }
     covered = {"router": False, "worker": False}
     for docs, d, c in pagoda_containers(EVERYTHING):

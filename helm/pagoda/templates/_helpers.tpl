@@ -120,23 +120,18 @@ capabilities:
   drop: [ALL]
 {{- end -}}
 
-{{/* Native gRPC probes (grpc.health.v1) need a numeric port: named ports are not allowed there. */}}
+{{/* Native gRPC probes (grpc.health.v1) need a numeric port: named ports are not allowed there.
+Kubelet gRPC probes cannot speak TLS: with .tls they check the port with tcpSocket instead. */}}
 {{- define "pagoda.grpcProbes" -}}
-startupProbe:
-  grpc: {port: {{ int64 .port }}}
-  periodSeconds: {{ int64 .probes.startup.periodSeconds }}
-  failureThreshold: {{ int64 .probes.startup.failureThreshold }}
-  timeoutSeconds: {{ int64 (default 1 .probes.startup.timeoutSeconds) }}
-livenessProbe:
-  grpc: {port: {{ int64 .port }}}
-  periodSeconds: {{ int64 .probes.liveness.periodSeconds }}
-  failureThreshold: {{ int64 .probes.liveness.failureThreshold }}
-  timeoutSeconds: {{ int64 (default 1 .probes.liveness.timeoutSeconds) }}
-readinessProbe:
-  grpc: {port: {{ int64 .port }}}
-  periodSeconds: {{ int64 .probes.readiness.periodSeconds }}
-  failureThreshold: {{ int64 .probes.readiness.failureThreshold }}
-  timeoutSeconds: {{ int64 (default 1 .probes.readiness.timeoutSeconds) }}
+{{- $check := ternary (dict "tcpSocket" (dict "port" (int64 .port))) (dict "grpc" (dict "port" (int64 .port))) (not (empty .tls)) }}
+{{- range $name, $key := dict "startupProbe" "startup" "livenessProbe" "liveness" "readinessProbe" "readiness" }}
+{{- $p := index $.probes $key }}
+{{ $name }}:
+  {{- toYaml $check | nindent 2 }}
+  periodSeconds: {{ int64 $p.periodSeconds }}
+  failureThreshold: {{ int64 $p.failureThreshold }}
+  timeoutSeconds: {{ int64 (default 1 $p.timeoutSeconds) }}
+{{- end }}
 {{- end -}}
 
 {{- define "pagoda.topologySpread" -}}
