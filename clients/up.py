@@ -218,7 +218,7 @@ def _run(a, cluster: Cluster) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     router_port = a.port or free_port(a.host)
     http_port = a.http_port or free_port(a.host)
-    router = cluster.spawn("router", [sys.executable, "-m", "router", "--host", a.host, "--port", str(router_port),
+    cluster.spawn("router", [sys.executable, "-m", "router", "--host", a.host, "--port", str(router_port),
                                       "--http-port", str(http_port), "--redis-url", redis_url, "--policy", a.policy,
                                       "--metrics-port", str(a.router_metrics_port)], env)
     pending = {}

@@ -184,8 +184,8 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
     async def GetModelInfo(self, request, context):
         try:
             self._check_model(request.model)
-        except _NotFound as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except _NotFound as err:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
         e = self.engine
         return pb.ModelInfoResponse(model=self.model_name, max_model_len=e.max_model_len, block_size=e.block_size,
                                     vocab_size=e.vocab_size, eos_token_ids=list(e.eos_token_ids),
@@ -306,6 +306,7 @@ class Worker:
             return
         from gpu_worker.args import advertise_address, worker_name
         address = a.advertise_address or advertise_address(_with_port(a, self.port))
+        assert self.service is not None          # started just before the publisher
         self.publisher = Publisher(a.redis_url, self.worker_id, self.engine.model_name, address, self.engine,
                                    heartbeat_s=a.heartbeat_interval, snapshot_s=a.snapshot_interval,
                                    name=worker_name(a, self.port), epoch=self.service.epoch,

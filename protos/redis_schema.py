@@ -110,7 +110,7 @@ class Lease:
         if not isinstance(raw, dict):
             raise ValueError("lease: not a JSON object")
         try:
-            lease = cls(**{name: _checked(name, raw[name], f.type)
+            lease = cls(**{name: _checked(name, raw[name], str(f.type))
                            for name, f in cls.__dataclass_fields__.items() if name in raw})
         except (TypeError, ValueError) as e:
             raise ValueError(f"lease: malformed ({e})") from None

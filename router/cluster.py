@@ -23,9 +23,7 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any
-
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError

@@ -33,8 +33,17 @@ from protos.block_hash import block_hashes, namespace_root
 from protos.limits import Limits, check_fits, check_request
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-from protos.security import (AuthInterceptor, Identity, KeyRing, channel_credentials, identity, read_key,
-                             scoped_id, scoped_salt, server_credentials)
+from protos.security import (
+    AuthInterceptor,
+    Identity,
+    KeyRing,
+    channel_credentials,
+    identity,
+    read_key,
+    scoped_id,
+    scoped_salt,
+    server_credentials,
+)
 from protos.serving import CLIENT_KEEPALIVE, StartupError, bind, check_port_free, server_options
 from protos.tokenization import PromptTokenizer, encode_prompt, prompt_field, tokenizer_digest
 from router.breaker import CircuitBreaker

@@ -12,7 +12,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients import PagodaClient
-from protos.pagoda.v1 import pagoda_pb2 as pb
 from tests.test_router import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

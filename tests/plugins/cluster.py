@@ -152,7 +152,6 @@ async def _serve_fake(a) -> None:
 
     from gpu_worker.publisher import Publisher
     from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-
     from protos.tokenization import tokenizer_digest
     engine = FakeEngine(a.model, a.block_size, a.num_blocks)
     server = grpc.aio.server()
