@@ -310,7 +310,23 @@ class OpenAIFront:
         return web.json_response({"models": self.service.cluster.models()},
                                  status=200 if self.service.cluster.models() else 503)
 
+    def _identity(self, request: web.Request):
+        """The caller, when the router runs with --api-keys-file (OpenAI clients send the same
+        `Authorization: Bearer KEY` header); 401 without a valid key."""
+        ring = self.service.keyring
+        if ring is None:
+            return None
+        ident = ring.identify([("authorization", request.headers.get("Authorization", ""))])
+        if ident is None:
+            raise ApiError(401, "authorization: send `Authorization: Bearer KEY` with a valid key",
+                           code="invalid_api_key")
+        return ident
+
     async def models(self, request: web.Request) -> web.Response:
+        try:
+            self._identity(request)
+        except ApiError as e:
+            return e.response()
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "pagoda"}
                 for m in self.service.cluster.models()]
         return web.json_response({"object": "list", "data": data})
@@ -323,6 +339,7 @@ class OpenAIFront:
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
+            ident = self._identity(request)
             try:
                 body = await request.json()
             except ValueError as e:
@@ -342,7 +359,7 @@ class OpenAIFront:
         head = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": req.model}
         choices = _Choices(kind, req.sampling.n if req.sampling.HasField("n") else 1)
-        async with contextlib.aclosing(self.service.generate(req, None)) as upstream:
+        async with contextlib.aclosing(self.service.generate(req, None, ident)) as upstream:
             try:
                 first = await anext(upstream)    # errors before the first token get their HTTP status
             except _Reject as r:

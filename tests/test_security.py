@@ -69,8 +69,11 @@ def test_worker_tls_mtls_and_keys(secured, test_certs):
 
 
 def test_router_tls_keys_and_tenant_isolation(secured, test_certs, start_router):
+    from clients.up import free_port
     c, d = test_certs, secured["keys"]
-    router = start_router(secured["redis"].url, tls_cert=c.server_cert, tls_key=c.server_key, tls_client_ca=c.ca,
+    http_port = free_port()
+    router = start_router(secured["redis"].url, http_port=http_port, tls_cert=c.server_cert, tls_key=c.server_key,
+                          tls_client_ca=c.ca,
                           api_keys_file=str(d / "router-keys"), worker_tls_ca=c.ca, worker_tls_cert=c.client_cert,
                           worker_tls_key=c.client_key, worker_api_key_file=str(d / "router-key"))
     wait_for(lambda: sum(v for k, v in router.metrics().items() if k.startswith("pagoda_router_live_workers{")) == 1,
@@ -95,6 +98,9 @@ def test_router_tls_keys_and_tenant_isolation(secured, test_certs, start_router)
             runs = [pool.submit(cl.complete, PROMPT, max_tokens=20, ignore_eos=True, request_id="job-1")
                     for cl in (alice, bob)]
             assert [r.result(timeout=60).request_id for r in runs] == ["job-1", "job-1"]
+    # The OpenAI HTTP front takes the same keys (OpenAI clients send `Authorization: Bearer KEY`).
+    assert _http(http_port, None) == 401 and _http(http_port, "not-a-key") == 401
+    assert _http(http_port, "bob-key") == 200
     # Keys are reloaded on SIGHUP; a file that no longer parses leaves the old keys in force.
     with open(d / "router-keys", "a") as f:
         f.write("carol-key carol\n")
@@ -113,3 +119,18 @@ def _ok(c) -> bool:
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.UNAUTHENTICATED
         return False
+
+
+def _http(port: int, key: str | None) -> int:
+    import json
+    import urllib.error
+    import urllib.request
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json",
+                                  **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
