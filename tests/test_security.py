@@ -66,6 +66,12 @@ def test_worker_tls_mtls_and_keys(secured, test_certs):
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, call
     with client(address, test_certs, "ops-key") as c:
         assert c.load().num_blocks > 0                                  # an admin key may
+    # Request ids are per tenant on a worker too: alice and bob both run "job-1" at once.
+    with client(address, test_certs, "alice-key") as alice, client(address, test_certs, "bob-key") as bob:
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(cl.complete, PROMPT, max_tokens=20, ignore_eos=True, request_id="job-1")
+                    for cl in (alice, bob)]
+            assert [r.result(timeout=60).request_id for r in runs] == ["job-1", "job-1"]
 
 
 def test_router_tls_keys_and_tenant_isolation(secured, test_certs, start_router):
