@@ -246,8 +246,9 @@ def _run(a, cluster: Cluster) -> int:
                       f"({a.workers - len(pending)}/{a.workers})", flush=True)
         if not ready and _router_ready(address):
             ready = True
-            print(f"pagoda up: router at {address} (gRPC), OpenAI HTTP at http://{a.host}:{http_port}/v1, "
-                  f"serving {model}; redis {redis_url} (Ctrl-C stops everything)", flush=True)
+            print(f"pagoda up: serving {model}; redis {redis_url}", flush=True)
+            print(f"pagoda up: router at {address} (gRPC), OpenAI HTTP at http://{a.host}:{http_port}/v1 "
+                  "(Ctrl-C stops everything)", flush=True)
         if not ready and time.monotonic() > deadline:
             raise TimeoutError(f"nothing serving at {address} after {a.timeout}s")
         time.sleep(0.2)

@@ -95,9 +95,11 @@ class Cluster:
             return False
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        probes = [t for _, t, _ in self._probes.values() if t is not None]
+        for task in [self._task, *probes]:
+            if task:
+                task.cancel()
+        await asyncio.gather(*[t for t in [self._task, *probes] if t], return_exceptions=True)
         if self._redis is not None:
             await self._redis.aclose()
 

@@ -16,12 +16,13 @@ from tests.test_router import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PROMPT = "You are a helpful assistant who answers briefly. " * 4 + "What is the capital of France?"
+SHARED = "You are a terse assistant for routing tests. " * 4 + "Name three rivers."
 
 
 @pytest.fixture(scope="module")
 def secured(tiny_model, test_certs, tmp_path_factory, redis_server_module, start_worker_module):
     d = tmp_path_factory.mktemp("keys")
-    (d / "worker-keys").write_text("# worker keys\nrouter-key router admin\nops-key ops admin\nalice-key alice\n")
+    (d / "worker-keys").write_text("# worker keys\nrouter-key router admin\nops-key ops admin\nalice-key alice\nbob-key bob\n")
     (d / "router-keys").write_text("alice-key alice\nbob-key bob\n")
     (d / "router-key").write_text("router-key\n")
     c = test_certs
@@ -76,6 +77,8 @@ def test_worker_tls_mtls_and_keys(secured, test_certs):
 
 def test_router_tls_keys_and_tenant_isolation(secured, test_certs, start_router):
     from clients.up import free_port
+    # Not the prompt of the worker test: there bob cached PROMPT in his own namespace already
+    # (the same namespace the router gives him, as it should be).
     c, d = test_certs, secured["keys"]
     http_port = free_port()
     router = start_router(secured["redis"].url, http_port=http_port, tls_cert=c.server_cert, tls_key=c.server_key,
@@ -89,19 +92,19 @@ def test_router_tls_keys_and_tenant_isolation(secured, test_certs, start_router)
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
     with client(router.address, test_certs) as anon:
         with pytest.raises(grpc.RpcError) as e:
-            anon.complete(PROMPT, max_tokens=2)
+            anon.complete(SHARED, max_tokens=2)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with client(router.address, test_certs, "alice-key") as alice, \
             client(router.address, test_certs, "bob-key") as bob:
-        first = alice.complete(PROMPT, max_tokens=2, temperature=0.0)
+        first = alice.complete(SHARED, max_tokens=2, temperature=0.0)
         time.sleep(0.5)
-        assert alice.complete(PROMPT, max_tokens=2, temperature=0.0).usage.cached_prompt_tokens > 0
+        assert alice.complete(SHARED, max_tokens=2, temperature=0.0).usage.cached_prompt_tokens > 0
         # Same prompt, another tenant: nothing of alice's cache is visible to bob.
-        assert bob.complete(PROMPT, max_tokens=2, temperature=0.0).usage.cached_prompt_tokens == 0
+        assert bob.complete(SHARED, max_tokens=2, temperature=0.0).usage.cached_prompt_tokens == 0
         assert first.request_id
         # Request ids are per tenant: both may use "job-1" at once.
         with ThreadPoolExecutor(2) as pool:
-            runs = [pool.submit(cl.complete, PROMPT, max_tokens=20, ignore_eos=True, request_id="job-1")
+            runs = [pool.submit(cl.complete, SHARED, max_tokens=20, ignore_eos=True, request_id="job-1")
                     for cl in (alice, bob)]
             assert [r.result(timeout=60).request_id for r in runs] == ["job-1", "job-1"]
     # The OpenAI HTTP front takes the same keys (OpenAI clients send `Authorization: Bearer KEY`).
