@@ -20,9 +20,9 @@ import signal
 import sys
 import time
 import uuid
-from typing import TYPE_CHECKING
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
