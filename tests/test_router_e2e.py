@@ -173,9 +173,9 @@ def test_kill_9_during_a_burst(cluster, start_router):
     victim = cluster["workers"][0]
     first_token: dict[int, str] = {}
 
-    def one(i):
+    def one(i):  # max_tokens must fit max_model_len (1024) with the 400-500 token chat, or it is refused
         req = pb.GenerateRequest(messages=chat(500 + i, 0),
-                                 sampling=pb.SamplingParams(max_tokens=700, ignore_eos=True, temperature=0))
+                                 sampling=pb.SamplingParams(max_tokens=450, ignore_eos=True, temperature=0))
         try:
             for r in stub.Generate(req, timeout=120):
                 first_token.setdefault(i, r.worker_id)
