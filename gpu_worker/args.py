@@ -11,8 +11,8 @@ import os
 import secrets
 import socket
 
-from protos import limits, security
 from gpu_worker.config import EngineConfig
+from protos import limits, security
 
 # The engine's defaults live in EngineConfig alone; the flags read them from there.
 _D = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
