@@ -17,19 +17,15 @@ def dashboard(values) -> dict | None:
 def exported_names() -> set[str]:
     """Every series name a router and a worker (with either prefix) export, suffixes included."""
     from gpu_worker.metrics import WorkerMetrics
+    from router.cluster import Cluster
+    from router.index import BlockIndex
     from router.metrics import RouterMetrics
-
-    class Empty:
-        connected = True
-
-        def models(self):
-            return []
 
     stats = SimpleNamespace(running=0, waiting=0, kv_usage=0.0, num_blocks=1, free_blocks=1, preemptions=0,
                             prefix_cache_queries=0, prefix_cache_hits=0, prompt_tokens=0, generation_tokens=0)
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"], "gauge": [""]}
     names = set()
-    for registry in [RouterMetrics(Empty(), []).registry] + \
+    for registry in [RouterMetrics(Cluster("redis://127.0.0.1:1", BlockIndex()), BlockIndex()).registry] + \
             [WorkerMetrics(lambda: stats, "m", p).registry for p in ("pagoda", "vllm")]:
         for family in registry.collect():
             names |= {family.name + x for x in suffixes[family.type]}
