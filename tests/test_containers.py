@@ -24,8 +24,8 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.up import wait_serving
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 from tests.plugins.servers import free_port
@@ -179,23 +179,16 @@ class Containers:
             sh("podman", "rm", "--force", "--time", "2", *self.names, check=False, timeout=120)
 
 
-def wait_serving(address: str, alive, what: str, timeout: float) -> None:
-    """Until grpc.health.v1 says SERVING at `address`; `alive()` False ends the wait with an error."""
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if not alive():
-                raise AssertionError(f"{what} stopped before serving")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what} not serving at {address} after {timeout}s")
-            time.sleep(0.5)
+class ContainerProcess:
+    """A container seen as clients.up.wait_serving sees a process: poll() is None while it runs."""
+
+    def __init__(self, containers: Containers, name: str):
+        self.containers, self.name, self.returncode = containers, name, None
+
+    def poll(self) -> str | None:
+        if not self.containers.running(self.name):
+            self.returncode = "a stopped container"
+        return self.returncode
 
 
 def stream(stub, prompt: str) -> list[pb.GenerateResponse]:
@@ -273,7 +266,7 @@ def test_router_and_two_workers_in_containers_serve_with_prefix_caching(images, 
             volumes=(f"{model}:/models/tiny-llama:ro",))
     try:
         for port, name in [(router_port, router), *workers.items()]:
-            wait_serving(f"127.0.0.1:{port}", lambda n=name: containers.running(n), name, 180)
+            wait_serving(f"127.0.0.1:{port}", ContainerProcess(containers, name), name, 180)
         deadline = time.monotonic() + 30
         while metric(metrics_port, "pagoda_router_live_workers{") < 2:
             assert time.monotonic() < deadline, "the router did not see both workers in 30 s"
