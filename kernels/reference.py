@@ -17,6 +17,9 @@ Attention features, the same keywords for every backend (HF semantics, so that p
 """
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -97,83 +100,89 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def _dense_attention(q, k, v, mask, scale, softcap, sinks):
-    """q [Hq, L, D], k/v [Hkv, S, D] fp32, mask [L, S] -> [Hq, L, D], with the scores in hand."""
-    group = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-    scores = torch.matmul(q, k.transpose(1, 2)) * scale
+    """q [..., Hq, L, D], k/v [..., Hkv, S, D] fp32, mask broadcastable to [..., Hq, L, S]
+    -> [..., Hq, L, D], with the scores in hand."""
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         return torch.matmul(scores.softmax(-1), v)
-    sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    sink = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     return torch.matmul(probs, v)
 
 
+_scratch = threading.local()
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
+    """cache[block_ids] as [n, block_size * Hkv * D], written into a buffer kept per thread and
+    reused across steps. A fresh multi-megabyte tensor every step costs a page fault per 4 KiB
+    on a CPU (glibc maps large blocks anew), which made the gather 5x slower than the copy.
+    Rows of a 2-D view, too: index_select on the 4-D pool takes a slower path."""
+    rows = cache.view(cache.shape[0], -1)
+    # A buffer made under inference_mode cannot be written outside it (tests call this bare).
+    key = (name, rows.device, rows.dtype, rows.shape[1], torch.is_inference_mode_enabled())
+    buf = getattr(_scratch, "buffers", {}).get(key)
+    if buf is None or buf.shape[0] < block_ids.numel():
+        buf = torch.empty(max(block_ids.numel(), 64), rows.shape[1], dtype=rows.dtype, device=rows.device)
+        _scratch.__dict__.setdefault("buffers", {})[key] = buf
+    out = buf[:block_ids.numel()]
+    torch.index_select(rows, 0, block_ids, out=out)
+    return out
+
+
+# A bucket of decodes is padded to its longest member; a sequence joins the current bucket
+# while it needs at least this share of the bucket's blocks, so padding wastes at most ~25%.
+BUCKET_FILL = 0.8
+
+
 def _decode_batched(q, k_cache, v_cache, block_tables, seqs, rows, lens, scale, out,
                     sliding_window=None, softcap=None, sinks=None) -> None:
-    """One query token per sequence, all sequences at once and without padding to the longest:
-    gather every sequence's blocks into one run, score each block against its own sequence's
-    query with one batched matmul, then softmax and weighted sum per sequence (scatter max,
-    index_add). Only the unfilled tail of each last block (and, with a sliding window, the
-    head of the first block in the window) is masked; blocks wholly before the window are
-    not gathered at all."""
+    """One query token per sequence, all sequences at once: sequences sorted by how many
+    blocks they read and cut into buckets of similar length; per bucket one block gather
+    (index_select of whole blocks, the cheap way to gather on a CPU) into a padded
+    [S, Hkv, L, D] view and one SDPA call (written out when soft-capping or sinks need the
+    scores). Padding columns re-read the sequence's own last block and are masked, so no
+    block outside a sequence's table is read; blocks wholly before a sliding window are not
+    gathered at all."""
     dev = q.device
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_seqs, num_q_heads, head_dim = len(seqs), q.shape[1], q.shape[2]
-    group = num_q_heads // num_kv_heads
-    lo = [max(0, n - sliding_window) if sliding_window else 0 for n in lens]  # first visible key
-    skip = [x // block_size for x in lo]
-    nblocks = [-(-n // block_size) - k for n, k in zip(lens, skip)]
-    seg = torch.repeat_interleave(torch.arange(num_seqs, device=dev), torch.tensor(nblocks, device=dev))
-    tables = block_tables[torch.tensor(seqs, device=dev)]
-    first = torch.cumsum(torch.tensor(nblocks, device=dev), 0) - torch.tensor(nblocks, device=dev)
-    # Block index within its sequence.
-    which = torch.arange(seg.numel(), device=dev) - first[seg] + torch.tensor(skip, device=dev)[seg]
-    block_ids = tables[seg, which].long()
-    # [B, bs, Hkv, D]: blocks copied whole, the cheap way to gather on a CPU.
-    k = k_cache.index_select(0, block_ids).float()
-    v = v_cache.index_select(0, block_ids).float()
-    nb, heads = k.shape[0], num_kv_heads
-    rows_t = torch.tensor(rows, device=dev)
-    # Query head h reads KV head h // group, as in transformers' repeat_kv.
-    qs = q.index_select(0, rows_t).float().view(num_seqs, heads, group, head_dim)
-    # One plain bmm per block scores every KV head against every query head; keeping the
-    # diagonal (matching heads) wastes Hkv x tiny flops but avoids transposed copies and
-    # thousands of tiny per-head matmuls, which dominate on a CPU.
-    cross = torch.bmm(k.view(nb, block_size * heads, head_dim),
-                      qs.index_select(0, seg).view(nb, heads * group, head_dim).transpose(1, 2))
-    scores = cross.view(nb, block_size, heads, heads, group).diagonal(dim1=2, dim2=3) * scale  # [B, bs, g, Hkv]
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    token = which[:, None] * block_size + torch.arange(block_size, device=dev)[None, :]
-    valid = token < torch.tensor(lens, device=dev)[seg][:, None]                    # [B, bs]
-    if sliding_window:
-        valid &= token >= torch.tensor(lo, device=dev)[seg][:, None]
-    scores.masked_fill_(~valid[:, :, None, None], float("-inf"))
-    peak = torch.full((num_seqs, group, heads), float("-inf"), device=dev)
-    if sinks is not None:
-        # Query head h = kv_head * group + g, so [Hq] -> [g, Hkv].
-        sink = sinks.float().view(heads, group).t().expand(num_seqs, group, heads)
-        peak = sink.clone()
-    block_peak = scores.amax(dim=1)                                                 # [B, g, Hkv]
-    peak = peak.scatter_reduce(0, seg.view(-1, 1, 1).expand_as(block_peak), block_peak, "amax")
-    # Masked slots get weight exactly 0. Only slots outside the sequence's own visible range
-    # are masked, and the pool's slots only ever hold zeros or computed K/V, so 0 * V stays 0.
-    p = torch.exp(scores - peak.index_select(0, seg).unsqueeze(1))
-    denom = torch.zeros_like(peak).index_add_(0, seg, p.sum(dim=1))                 # [S, g, Hkv]
-    if sinks is not None:
-        denom += torch.exp(sink - peak)
-    # Weighted sum the same way: a block-diagonal [H*g, bs*H] weight matrix per block.
-    weights = torch.zeros(nb, heads, group, block_size, heads, device=dev)
-    weights.diagonal(dim1=1, dim2=4).copy_(p.permute(0, 2, 1, 3))
-    per_block = torch.bmm(weights.view(nb, heads * group, block_size * heads),
-                          v.view(nb, block_size * heads, head_dim))
-    o = torch.zeros(num_seqs, heads * group, head_dim, device=dev)
-    o.index_add_(0, seg, per_block)
-    o = o.view(num_seqs, heads, group, head_dim) / denom.permute(0, 2, 1).unsqueeze(-1)
-    out[rows_t] = o.view(num_seqs, num_q_heads, head_dim).to(out.dtype)
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_q_heads = q.shape[1]
+    n = np.asarray(lens, dtype=np.int64)
+    lo = np.maximum(n - sliding_window, 0) if sliding_window else np.zeros_like(n)  # first visible key
+    skip = lo // block_size
+    nblocks = -(-n // block_size) - skip
+    order = np.argsort(-nblocks, kind="stable")
+    shortfall = -nblocks[order]                                  # ascending
+    seqs_t = torch.as_tensor(np.asarray(seqs, dtype=np.int64), device=dev)
+    rows_t = torch.as_tensor(np.asarray(rows, dtype=np.int64), device=dev)
+    start = 0
+    while start < len(order):
+        width = int(nblocks[order[start]])
+        end = int(np.searchsorted(shortfall, -BUCKET_FILL * width, side="right"))
+        idx = order[start:end]
+        start = end
+        col = skip[idx, None] + np.minimum(np.arange(width), nblocks[idx, None] - 1)      # [Sb, W]
+        token = (skip[idx, None] + np.arange(width))[:, :, None] * block_size + np.arange(block_size)
+        valid = (token >= lo[idx, None, None]) & (token < n[idx, None, None])           # [Sb, W, bs]
+        idx_t = torch.as_tensor(idx, device=dev)
+        tables = block_tables.index_select(0, seqs_t[idx_t]).long()
+        block_ids = torch.gather(tables, 1, torch.as_tensor(col, device=dev)).view(-1)
+        shape = (len(idx), width * block_size, num_kv_heads, head_dim)
+        k = _gather_blocks(k_cache, block_ids, "k").view(shape).transpose(1, 2).float()    # [Sb, Hkv, L, D]
+        v = _gather_blocks(v_cache, block_ids, "v").view(shape).transpose(1, 2).float()
+        qb = q.index_select(0, rows_t[idx_t]).float().unsqueeze(2)                      # [Sb, Hq, 1, D]
+        mask = torch.as_tensor(valid.reshape(len(idx), 1, 1, -1), device=dev)
+        if softcap or sinks is not None:
+            o = _dense_attention(qb, k, v, mask, scale, softcap, sinks)
+        else:
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=num_q_heads != num_kv_heads)
+        out[rows_t[idx_t]] = o.squeeze(2).to(out.dtype)
 
 
 def random_paged_batch(q_lens: list[int], seq_lens: list[int], num_q_heads: int, num_kv_heads: int,

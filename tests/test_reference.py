@@ -35,6 +35,7 @@ def dense_attention(b, sliding_window=None, softcap=None, sinks=None):
 
 @pytest.mark.parametrize("q_lens,seq_lens", [
     ([1, 1, 1], [1, 16, 45]),                  # decode only: the batched path
+    ([1] * 9, [3, 170, 17, 64, 65, 140, 129, 33, 160]),   # decode buckets of several widths
     ([1, 7, 1, 16, 1], [33, 7, 2, 48, 17]),    # mixed: prefill chunks over cached prefixes
 ])
 def test_reference_matches_float64_softmax(q_lens, seq_lens):
