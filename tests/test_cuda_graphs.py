@@ -63,8 +63,16 @@ def test_padded_staged_step_equals_the_unpadded_step(tiny_model):
         got = r.model(*batch.views(padded_size(3, capture_sizes(8))))
     assert got.shape[0] == 4
     torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
-    for (k, v), (k1, v1) in zip(r.kv_caches, after_eager):
-        assert torch.equal(k, k1) and torch.equal(v, v1), "a padding row wrote the KV cache"
+    # The real rows write their slots (a batch of 4 may round differently from a batch of 3 in
+    # the last bit, so those compare with a tolerance); every other slot is untouched.
+    written = torch.zeros(r.kv_caches[0][0].shape[:2], dtype=torch.bool).view(-1)
+    written[meta.slot_mapping[meta.slot_mapping >= 0]] = True
+    written = written.view(r.kv_caches[0][0].shape[:2])
+    for (k, v), (k0, v0), (k1, v1) in zip(r.kv_caches, before, after_eager):
+        assert torch.equal(k[~written], k0[~written]) and torch.equal(v[~written], v0[~written]), \
+            "a padding row wrote the KV cache"
+        torch.testing.assert_close(k[written], k1[written], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v[written], v1[written], rtol=1e-5, atol=1e-5)
 
 
 def test_only_pure_decode_steps_replay(tiny_model):
