@@ -26,6 +26,10 @@ from gpu_worker.sampling_params import MAX_STOP_STRINGS
 TEMPERATURE, TOP_P, TOP_K, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(7)
 NUM_PARAMS = 7
 
+# Bits of finish_flags: what a sampled token ends. The engine still decides stop strings.
+STOP_TOKEN = 1      # a stop id (or EOS unless ignored) with min_tokens already reached
+LENGTH = 2          # max_tokens reached, or max_model_len
+
 
 @dataclass
 class StepInputs:
@@ -56,6 +60,7 @@ class InputBatch:
         self.num_blocks = np.zeros(r, np.int64)
         self.params = np.zeros((r, NUM_PARAMS), np.float32)
         self.min_tokens = np.zeros(r, np.int64)
+        self.max_tokens = np.zeros(r, np.int64)
         self.num_logprobs = np.full(r, -1, np.int64)   # -1: none wanted
         # Tokens that min_tokens holds back (stop ids, EOS unless ignored); -1 pads.
         self.stop_ids = np.full((r, MAX_STOP_STRINGS + len(self.eos)), -1, np.int64)
@@ -123,12 +128,13 @@ class InputBatch:
         if p is None:       # a profiling row: greedy, nothing else
             self.params[row] = (0.0, 1.0, self.vocab_size, 0.0, 1.0, 0.0, 0.0)
             self.min_tokens[row], self.num_logprobs[row] = 0, -1
+            self.max_tokens[row] = self.max_len + 1
             self.stop_ids[row] = -1
             return
         top_k = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
         self.params[row] = (p.temperature, p.top_p, top_k, p.min_p, p.repetition_penalty,
                             p.presence_penalty, p.frequency_penalty)
-        self.min_tokens[row] = p.min_tokens
+        self.min_tokens[row], self.max_tokens[row] = p.min_tokens, p.max_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         stops = list(dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos)))
         self.stop_ids[row] = -1
@@ -156,7 +162,7 @@ class InputBatch:
             nb = int(self.num_blocks[last])
             self.block_table[row, :nb] = self.block_table[last, :nb]
             for a in (self.num_tokens, self.num_computed, self.num_prompt, self.num_blocks,
-                      self.params, self.min_tokens, self.num_logprobs, self.stop_ids):
+                      self.params, self.min_tokens, self.max_tokens, self.num_logprobs, self.stop_ids):
                 a[row] = a[last]
             for extra in extras:
                 if last in extra:
@@ -217,9 +223,17 @@ class InputBatch:
             dev[:n].copy_(host[:n], non_blocking=True)
         return dev
 
-    def append_sampled(self, rows: np.ndarray, tokens: list[int]) -> None:
-        self.token_ids[rows, self.num_tokens[rows]] = tokens
+    def append_sampled(self, rows: np.ndarray, tokens: list[int]) -> np.ndarray:
+        """Append each row's sampled token; returns finish_flags per row (STOP_TOKEN, LENGTH),
+        the stop-token and length checks for the whole batch at once."""
+        sampled = np.asarray(tokens, dtype=np.int64)
+        self.token_ids[rows, self.num_tokens[rows]] = sampled
         self.num_tokens[rows] += 1
+        num_tokens = self.num_tokens[rows]
+        out_len = num_tokens - self.num_prompt[rows]
+        hit = (self.stop_ids[rows] == sampled[:, None]).any(axis=1) & (out_len >= self.min_tokens[rows])
+        long = (out_len >= self.max_tokens[rows]) | (num_tokens >= self.max_len)
+        return hit * STOP_TOKEN | long * LENGTH
 
     # ---- sampling inputs ---------------------------------------------------------------------
 

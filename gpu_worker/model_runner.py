@@ -14,6 +14,7 @@ import time
 import weakref
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from gpu_worker import distributed
@@ -290,8 +291,10 @@ class ModelRunner:
         if not inputs.req_ids:
             return ModelRunnerOutput(sampled_token_ids={})
         tokens, logprobs = self.sampler(logits, self.batch.sampling_batch(inputs.sample_rows))
-        self.batch.append_sampled(inputs.sample_rows, tokens)
-        result = ModelRunnerOutput(sampled_token_ids=dict(zip(inputs.req_ids, tokens)))
+        flags = self.batch.append_sampled(inputs.sample_rows, tokens)
+        ends = np.flatnonzero(flags)
+        result = ModelRunnerOutput(sampled_token_ids=dict(zip(inputs.req_ids, tokens)),
+                                   finish_flags={inputs.req_ids[i]: int(flags[i]) for i in ends})
         for rid, lp in zip(inputs.req_ids, logprobs):
             if lp is not None:
                 result.logprobs[rid] = lp

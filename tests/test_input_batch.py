@@ -94,3 +94,29 @@ def test_steps_equal_plain_flattening_under_random_churn():
             row = b.row_of[rid]
             assert b.token_ids[row, :b.num_tokens[row]].tolist() == r["tokens"]
             assert np.array_equal(b.block_table[row, :b.num_blocks[row]], r["blocks"])
+
+
+def test_finish_flags_check_stop_ids_min_tokens_and_length_per_row():
+    """The vectorised stop-token and length checks: a stop id (or EOS 2 unless ignored) ends a
+    row only once min_tokens are out; max_tokens and max_model_len (64 here) end it by length;
+    the flags follow rows that move when another leaves."""
+    from gpu_worker.input_batch import LENGTH, STOP_TOKEN
+    b = make()
+    reqs = {
+        "eos": SamplingParams(max_tokens=10),
+        "eos-ignored": SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[7]),
+        "held": SamplingParams(max_tokens=10, min_tokens=2),
+        "short": SamplingParams(max_tokens=1),
+        "long-prompt": SamplingParams(max_tokens=10),
+        "gone": SamplingParams(max_tokens=10),
+    }
+    prompts = {r: [5] * (63 if r == "long-prompt" else 3) for r in reqs}
+    b.update(SchedulerOutput([], new=[NewRequest(r, prompts[r], len(prompts[r]), sp, list(range(16)))
+                                      for r, sp in reqs.items()]))
+    b.update(SchedulerOutput([], finished_req_ids={"gone"}))     # a row moves
+    rows = np.array([b.row_of[r] for r in ["eos", "eos-ignored", "held", "short", "long-prompt"]])
+    flags = b.append_sampled(rows, [2, 2, 2, 9, 9]).tolist()
+    assert flags == [STOP_TOKEN, 0, 0, LENGTH, LENGTH]          # 64 tokens = max_model_len
+    flags = b.append_sampled(rows[1:3], [7, 2]).tolist()
+    assert flags == [STOP_TOKEN, STOP_TOKEN]                    # stop id despite ignore_eos; min_tokens out
+    assert b.num_tokens[rows].tolist() == [4, 5, 5, 4, 64]
