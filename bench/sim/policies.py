@@ -4,6 +4,8 @@ RouterPolicy is the router process's own objects (BlockIndex, Cluster reading Re
 RouterService's ranking) with the gRPC proxy cut off: a decision is what Generate does before
 it opens the upstream stream (hash, rank, credit the winner, record its prefix speculatively),
 and the Cluster's sync steps run at simulated-time ticks instead of in its background task.
+Credits, first tokens and ends are stamped with simulated time, the clock the simulated
+workers' reports carry (bench/sim/bus.py).
 
 OraclePolicy sees every simulated worker's exact cache and load at the moment of decision and
 applies the router's own cost formula to them, so the gap between the two is the price of the
@@ -57,21 +59,21 @@ class RouterPolicy:
         model, workers = self.service.candidates(MODEL)
         ranked, hashes = self.service.rank(model, workers, self._request, req.prompt)
         best = ranked[0]
-        best.worker.credit(req.rid, len(req.prompt) - best.cached_tokens, time.time())
+        best.worker.credit(req.rid, len(req.prompt) - best.cached_tokens, now)
         self.index.speculate(best.worker.id, hashes, now)
         wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
         return int(best.worker.id.rsplit("-", 1)[1]), wall, cpu
 
-    def on_first_token(self, req) -> None:
+    def on_first_token(self, req, now: float) -> None:
         w = self.cluster.workers.get(f"sim-{req.worker}")
         if w is not None:
-            w.prefill_done(req.rid, time.time())
+            w.prefill_done(req.rid, now)
 
-    def on_finish(self, req) -> None:
+    def on_finish(self, req, now: float) -> None:
         self.scorer.observe_output(len(req.output))
         w = self.cluster.workers.get(f"sim-{req.worker}")
         if w is not None:
-            w.finish(req.rid, time.time())
+            w.finish(req.rid, now)
 
     def close(self) -> None:
         self.loop.run_until_complete(self.cluster._redis.aclose())
@@ -101,10 +103,10 @@ class OraclePolicy:
         best = self.scorer.rank_overlap(MODEL, states, len(req.prompt), overlap, limit=1)[0]
         return int(best.worker.id.rsplit("-", 1)[1]), 0, 0
 
-    def on_first_token(self, req) -> None:
+    def on_first_token(self, req, now: float) -> None:
         pass
 
-    def on_finish(self, req) -> None:
+    def on_finish(self, req, now: float) -> None:
         self.scorer.observe_output(len(req.output))
 
     def close(self) -> None:

@@ -117,9 +117,9 @@ class Simulation:
     def _step(self, w: int, now: float) -> None:
         first, finished = self.workers[w].end_step(now)
         for r in first:
-            self.policy.on_first_token(r)
+            self.policy.on_first_token(r, now)
         for r in finished:
-            self.policy.on_finish(r)
+            self.policy.on_finish(r, now)
             self.done.append(r)
             self.pending -= 1
             if r.follow_up is not None:
