@@ -62,19 +62,20 @@ def lease(i: int, rng: random.Random, ts: float) -> Lease:
 
 
 def fill(index: BlockIndex, num_workers: int, num_blocks: int, rng: random.Random, root: bytes):
-    """Shared prefixes (a tenth of the blocks) that requests will hit, then unrelated blocks."""
+    """Unrelated blocks, then shared prefixes (a tenth of the blocks) that requests will hit: the
+    prefixes are the most recently used, as hot ones are; each decision evicts the oldest filler."""
     prefixes = []
     shared = num_blocks // 10
     while sum(len(p[1]) for p in prefixes) < shared:
         tokens = [rng.randrange(1, 32000) for _ in range(rng.randint(32, 128) * BLOCK)]
         prefixes.append((tokens, block_hashes(tokens, BLOCK, root)))
+    filler = rng.randbytes
+    while len(index) < num_blocks - shared:
+        chunk = [filler(16) for _ in range(min(64, num_blocks - shared - len(index)))]
+        index.add(f"worker-{rng.randrange(num_workers)}", chunk)
     for _, hashes in prefixes:
         for w in rng.sample(range(num_workers), k=min(num_workers, rng.randint(1, 3))):
             index.add(f"worker-{w}", hashes)
-    filler = rng.randbytes
-    while len(index) < num_blocks:
-        chunk = [filler(16) for _ in range(min(64, num_blocks - len(index)))]
-        index.add(f"worker-{rng.randrange(num_workers)}", chunk)
     return prefixes
 
 
@@ -93,21 +94,20 @@ def measure(num_workers: int, num_blocks: int, decisions: int, seed: int) -> dic
     cluster = _Cluster(workers)
     service = RouterService(cluster, Scorer("prefix_aware", index, random.Random(seed)), None)  # type: ignore[arg-type]
     request = pb.GenerateRequest()
+    # Every prompt is new past its shared prefix, as a user's turn is.
     prompts = [rng.choice(prefixes)[0] + [rng.randrange(1, 32000) for _ in range(rng.randint(16, 512))]
-               for _ in range(min(decisions, 500))]
+               for _ in range(decisions)]
     cpu, wall = [], []
     for k in range(decisions):
         if k % 100 == 0:
             now = time.time()
             for i, w in enumerate(workers):
                 w.on_heartbeat(lease(i, rng, now))
-        ids = prompts[k % len(prompts)]
+        ids = prompts[k]
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         model, live = service.candidates(MODEL)
         ranked, hashes = service.rank(model, live, request, ids)
-        best = ranked[0]
-        best.worker.credit(f"r{k}", len(ids) - best.cached_tokens, time.time())
-        index.speculate(best.worker.id, hashes)
+        service.claim(ranked[0], f"r{k}", len(ids), hashes)
         c1, t1 = time.thread_time_ns(), time.perf_counter_ns()
         cpu.append((c1 - c0) / 1000)
         wall.append((t1 - t0) / 1000)

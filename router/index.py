@@ -3,18 +3,24 @@
 Each worker the index has seen holds one bit (reused after it leaves); a block's owners are one
 Python int, so the longest-prefix walk over a request's chain is an AND per block that stops at
 the first block nobody left in the running holds, and its cost does not grow with the number of
-workers. Each worker's own set of hashes is kept too, so a worker that leaves or resyncs is
-removed without a scan of the whole index.
+workers. The walk is a chain of C iterators (lookup, running AND, stop at zero), with no Python
+bytecode per block; each worker's depth is then read off where the running AND changes. Each
+worker's own set of hashes is kept too, so a worker that leaves or resyncs is removed without a
+scan of the whole index.
 
 Bounded: past `max_blocks` hashes the least recently touched entry goes (a lookup or a store
-touches), so memory stays fixed however many blocks the cluster churns through. Speculative
+touches), so memory stays fixed however many blocks the cluster churns through. A lookup
+touches a chain's matched blocks from the last to the first, so that eviction shortens a chain
+from its end, and never takes the first block while leaving the rest unreachable. Speculative
 entries (a prefix just routed to a worker, before the worker reports it) expire unless the
 worker's own "stored" event confirms them first.
 """
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from itertools import accumulate, repeat, takewhile
+from operator import and_
 from typing import Iterable, Sequence
 
 
@@ -29,6 +35,9 @@ class BlockIndex:
         self._name: dict[int, str] = {}                            # bit -> worker
         self._free_bits: list[int] = []
         self._speculative: dict[str, dict[bytes, float]] = {}      # worker -> hash -> deadline
+        # A lone owner's bitmap -> its hash set and speculation: most blocks have one owner, so
+        # eviction (every insert past the bound) finds both in one lookup instead of a bit walk.
+        self._alone: dict[int, tuple[set[bytes], dict[bytes, float]]] = {}
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -44,7 +53,8 @@ class BlockIndex:
         if bit is None:
             bit = self._free_bits.pop() if self._free_bits else len(self._bit)
             self._bit[worker], self._name[bit] = bit, worker
-            self._by_worker[worker] = set()
+            self._by_worker[worker], self._speculative[worker] = set(), {}
+            self._alone[1 << bit] = (self._by_worker[worker], self._speculative[worker])
         return 1 << bit
 
     def add(self, worker: str, hashes: Iterable[bytes]) -> None:
@@ -90,7 +100,7 @@ class BlockIndex:
             return
         self.remove(worker, list(self._by_worker[worker]))
         bit = self._bit.pop(worker)
-        del self._name[bit], self._by_worker[worker]
+        del self._name[bit], self._by_worker[worker], self._alone[1 << bit]
         self._speculative.pop(worker, None)
         self._free_bits.append(bit)        # every block has lost this bit: safe to hand out again
 
@@ -101,12 +111,20 @@ class BlockIndex:
     def speculate(self, worker: str, hashes: Sequence[bytes], now: float | None = None) -> None:
         """Record that `worker` is about to cache `hashes` (not yet reported)."""
         deadline = (time.monotonic() if now is None else now) + self.speculative_ttl_s
-        flag = self._flag(worker)
-        new = [h for h in hashes if not self._owners.get(h, 0) & flag]
-        self.add(worker, new)
-        spec = self._speculative.setdefault(worker, {})
-        for h in new:
+        flag, owners = self._flag(worker), self._owners
+        mine, spec = self._by_worker[worker], self._speculative[worker]
+        for h in hashes:
+            m = owners.get(h)
+            if m is None:
+                owners[h] = flag
+            elif m & flag:
+                continue            # held already, reported or speculated: its deadline stands
+            else:
+                owners[h] = m | flag
+                owners.move_to_end(h)
+            mine.add(h)
             spec[h] = deadline
+        self._evict()
 
     def expire_speculation(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -119,21 +137,18 @@ class BlockIndex:
         """Leading blocks of `hashes` each worker holds (a chain is only usable from its start);
         workers holding none are left out. `workers` limits the answer to those."""
         owners = self._owners
-        mask, depth = -1, 0
+        # held[i]: the workers holding all of blocks 0..i; it stops before the first empty one.
+        held = list(takewhile(bool, accumulate(map(owners.get, hashes, repeat(0)), and_)))
         result: dict[str, int] = {}
-        for h in hashes:
-            m = owners.get(h)
-            if not m:
-                break
-            owners.move_to_end(h)
-            held = mask & m
-            if not held:
-                break
-            if held != mask and depth:
-                self._record(mask & ~held, depth, result)    # these stop here
-            mask, depth = held, depth + 1
-        if depth:
-            self._record(mask, depth, result)
+        if not held:
+            return result
+        deque(map(owners.move_to_end, hashes[len(held) - 1::-1]), maxlen=0)
+        marks = list(dict.fromkeys(held))       # each a subset of the one before
+        start = 0
+        for mask, after in zip(marks, marks[1:]):
+            start = held.index(after, start)
+            self._record(mask & ~after, start, result)    # these stop here
+        self._record(marks[-1], len(held), result)
         if workers is not None:
             wanted = set(workers)
             result = {w: n for w, n in result.items() if w in wanted}
@@ -147,14 +162,17 @@ class BlockIndex:
             bits ^= low
 
     def _evict(self) -> None:
-        owners, name = self._owners, self._name
-        while len(owners) > self.max_blocks:
+        owners, alone = self._owners, self._alone
+        for _ in range(len(owners) - self.max_blocks):
             h, m = owners.popitem(last=False)
+            one = alone.get(m)
+            if one is not None:
+                one[0].discard(h)
+                one[1].pop(h, None)
+                continue
             while m:
                 low = m & -m
-                w = name[low.bit_length() - 1]
-                self._by_worker[w].discard(h)
-                spec = self._speculative.get(w)
-                if spec:
-                    spec.pop(h, None)
+                mine, spec = alone[low]
+                mine.discard(h)
+                spec.pop(h, None)
                 m ^= low

@@ -50,7 +50,7 @@ from router.breaker import CircuitBreaker
 from router.cluster import Cluster
 from router.index import BlockIndex
 from router.metrics import RouterMetrics
-from router.scoring import Scorer, WorkerState
+from router.scoring import Choice, Scorer, WorkerState
 from router.stream_check import BadStream, StreamChecker
 
 if TYPE_CHECKING:                   # openai_api imports this module; the router imports it only when serving HTTP
@@ -144,8 +144,7 @@ class RouterService(pb_grpc.GenerationServicer):
             # A worker past its cooldown gets this request as its one trial: the breaker
             # reopens it for other requests until the trial succeeds or fails.
             self.breaker.allow(w.id)
-            w.credit(upstream.request_id, len(token_ids) - choice.cached_tokens, time.time())
-            self.scorer.index.speculate(w.id, hashes)
+            self.claim(choice, upstream.request_id, len(token_ids), hashes)
             call = self._stub(w).Generate(upstream, timeout=timeout, metadata=self.worker_metadata)
             checker.reset()
             wait = self.first_token_timeout
@@ -300,6 +299,15 @@ class RouterService(pb_grpc.GenerationServicer):
         allowed = ([w for w in workers if w.id not in shut] or workers) if shut else workers
         return self.scorer.rank(model, allowed, len(token_ids), hashes, self.max_attempts,
                                 request.sampling.max_tokens or None), hashes
+
+    def claim(self, choice: Choice, request_id: str, prompt_len: int, hashes: list[bytes],
+              sent_at: float | None = None, now: float | None = None) -> None:
+        """The decision taken: credit the worker with the request in flight (stamped `sent_at`,
+        wall clock) and record the prompt's blocks there speculatively. The blocks the index
+        already has it holding are skipped, not looked up again."""
+        w = choice.worker
+        w.credit(request_id, prompt_len - choice.cached_tokens, time.time() if sent_at is None else sent_at)
+        self.scorer.index.speculate(w.id, hashes[choice.cached_tokens // w.lease.block_size:], now)
 
     async def _pinned(self, model: str, workers: list[WorkerState]) -> _Pin:
         """The model's info and tokenizer, pinned to one tokenizer digest: the one most live

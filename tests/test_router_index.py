@@ -76,6 +76,28 @@ def test_bounded_memory_evicts_least_recently_touched():
         BlockIndex(max_blocks=0)
 
 
+def test_a_lookup_touches_a_chain_tail_first_so_eviction_shortens_it_from_the_end():
+    idx, h = BlockIndex(max_blocks=4), chain(4)
+    idx.add("a", h)
+    assert idx.overlap(h) == {"a": 4}
+    idx.add("b", chain(1, first=10_000))      # one past the bound: the least recently touched goes
+    assert idx.overlap(h) == {"a": 3}         # the chain's last block, not its first (that left none)
+
+
+def test_eviction_updates_every_owner_alone_or_shared():
+    idx, h = BlockIndex(max_blocks=3, speculative_ttl_s=5), chain(6)
+    idx.speculate("a", h[:1], now=0.0)        # a lone, speculative owner
+    idx.add("b", h[1:2])
+    idx.add("a", h[1:2])                      # two owners
+    idx.add("c", h[2:3])
+    idx.add("c", h[3:5])                      # evicts block 0 (a alone), then block 1 (a and b)
+    assert len(idx) == 3 and idx.blocks_of("a") == 0 and idx.blocks_of("b") == 0
+    assert idx.blocks_of("c") == 3 and not idx._speculative["a"]
+    idx.drop_worker("a")
+    idx.speculate("d", h[5:], now=0.0)        # takes a's bit again: nothing of a's may show
+    assert idx.overlap(h[:1]) == {} and idx.overlap(h[5:]) == {"d": 1}
+
+
 def test_speculation_expires_unless_confirmed():
     idx, h = BlockIndex(speculative_ttl_s=5), chain(2)
     idx.speculate("a", h, now=100.0)

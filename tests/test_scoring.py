@@ -192,3 +192,20 @@ def test_figures_follow_changes_between_decisions():
     ws[1].on_heartbeat(Lease("w1", "m", "h", 1, 16, ts=7.0, **RATES))
     (best,) = s.rank("m", ws, 100, chain(6, first=77), limit=1)
     assert best.worker is ws[1] and best.cost == pytest.approx(100 * per_token())
+
+
+def test_claim_credits_the_choice_and_speculates_past_what_it_holds():
+    from types import SimpleNamespace
+
+    from router.server import RouterService
+    idx, h = BlockIndex(speculative_ttl_s=5), chain(4)
+    idx.add("a", h[:2])                                     # reported: a holds the first two blocks
+    a = worker("a")
+    service = RouterService(SimpleNamespace(on_worker_gone=None), scorer(idx=idx), None)  # type: ignore[arg-type]
+    best = service.scorer.rank("m", [a, worker("b")], 4 * 16 + 5, h)[0]
+    assert best.worker is a and best.cached_tokens == 32
+    service.claim(best, "r1", 4 * 16 + 5, h, sent_at=10.0, now=100.0)
+    assert a.credits["r1"].prefill_tokens == 4 * 16 + 5 - 32 and a.credits["r1"].sent_at == 10.0
+    assert idx.overlap(h) == {"a": 4} and set(idx._speculative["a"]) == set(h[2:])
+    idx.expire_speculation(now=105.0)                       # the reported blocks are not speculative
+    assert idx.overlap(h) == {"a": 2}

@@ -59,8 +59,7 @@ class RouterPolicy:
         model, workers = self.service.candidates(MODEL)
         ranked, hashes = self.service.rank(model, workers, self._request, req.prompt)
         best = ranked[0]
-        best.worker.credit(req.rid, len(req.prompt) - best.cached_tokens, now)
-        self.index.speculate(best.worker.id, hashes, now)
+        self.service.claim(best, req.rid, len(req.prompt), hashes, now, now)
         wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
         return int(best.worker.id.rsplit("-", 1)[1]), wall, cpu
 
