@@ -42,7 +42,8 @@ class StepTimer:
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(runner.batch, "prepare", "prepare")
         self._wrap(runner.batch, "sampling_batch", "sample")
-        self._wrap(runner, "sampler", "sample")
+        self._wrap(runner.sampler, "draw", "sample")
+        self._wrap(runner.sampler, "to_host", "sample")
         self._wrap(runner.model, "forward", "forward")
         self._wrap(runner.model, "compute_logits", "forward")
         inner = engine.step

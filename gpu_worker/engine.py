@@ -11,17 +11,20 @@ import itertools
 import logging
 import time
 import weakref
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.detokenizer import Detokenizer
 from gpu_worker.input_batch import LENGTH, STOP_TOKEN
 from gpu_worker.kv_cache_manager import KVCacheManager, cdiv
-from gpu_worker.outputs import EngineStats, ModelRunnerOutput, StreamDelta
+from gpu_worker.outputs import EngineStats, ModelRunnerOutput, SchedulerOutput, StreamDelta
 from gpu_worker.request import Request, RequestStatus
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.scheduler import Scheduler
 from protos.block_hash import namespace_root
+
+if TYPE_CHECKING:
+    from gpu_worker.model_runner import InFlight
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,9 @@ class LLMEngine:
         self.pending: list[StreamDelta] = []            # abort notices for the next step
         self.generation_tokens = 0
         self.num_steps, self.step_seconds = 0, 0.0
+        self.in_flight: tuple[SchedulerOutput, Optional[InFlight]] | None = None   # launched, not collected
+        self.async_output = config.async_output == "on" or (
+            config.async_output == "auto" and self.runner.device.type == "cuda")
         self._serial = itertools.count()
         live_engines.add(self)
         freeze_heap()
@@ -150,34 +156,64 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.pending)
+        return self.scheduler.has_unfinished() or bool(self.pending) or self.in_flight is not None
 
     def step(self) -> list[StreamDelta]:
-        deltas, self.pending = self.pending, []
-        if not self.scheduler.has_unfinished():
-            return deltas
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            # Nothing fits this step; the runner hears about departures next time.
-            self.scheduler.finished_req_ids |= out.finished_req_ids
-            return deltas
+        """One turn. With async_output, pipelined: collect the step in flight (its tokens; requests that a stop
+        token or their length ends leave the scheduler at once), schedule and launch the next
+        step, and only then turn the collected tokens into text and deltas. On CUDA the launch
+        returns before the GPU is done, so text, stop strings and deltas of step N are worked
+        out while step N+1 runs. A request that a stop string ends was already in step N+1:
+        its token from that step is dropped when it comes back. Without async_output, a step
+        is launched, collected and turned into deltas in the same turn."""
         t0 = time.perf_counter()
+        deltas, self.pending = self.pending, []
+        collected = self._collect()
+        if self.scheduler.has_unfinished():
+            out = self.scheduler.schedule()
+            if out.scheduled:
+                self.in_flight = (out, self._guarded(self.runner.launch, out))
+                if not self.async_output:
+                    collected += self._collect()
+            else:
+                # Nothing fits this step; the runner hears about departures next time.
+                self.scheduler.finished_req_ids |= out.finished_req_ids
+        deltas.extend([self._on_token(req, flags) for req, flags in collected])
+        if self.in_flight is not None and not any(s.req_id in self.scheduler.requests
+                                                  for s in self.in_flight[0].scheduled):
+            self._collect()     # every request in it has ended (stop strings): nothing to wait for
+        if collected or self.in_flight is not None:
+            self.step_seconds += time.perf_counter() - t0
+        return deltas
+
+    def _collect(self) -> list[tuple[Request, int]]:
+        """Tokens of the step in flight, with their finish flags (input_batch.STOP_TOKEN / LENGTH)."""
+        if self.in_flight is None:
+            return []
+        out, launched = self.in_flight
+        self.in_flight = None
+        result: ModelRunnerOutput = self._guarded(self.runner.finish, launched)
+        self.num_steps += 1
+        advanced = self.scheduler.update_from_output(out, result)
+        self.generation_tokens += len(advanced)
+        flags = result.finish_flags
+        collected = [(req, flags.get(req.req_id, 0)) for req in advanced]
+        ended = [req.req_id for req, f in collected if f]
+        if ended:   # out of the scheduler before the next step is scheduled; text comes later
+            self.scheduler.finish_requests(ended, RequestStatus.FINISHED_LENGTH)
+        return collected
+
+    def _guarded(self, fn, arg):
         try:
-            result: ModelRunnerOutput = self.runner.execute(out)
+            return fn(arg)
         except Exception:
             # This step's full blocks were named before their KV was written, so the cache
             # can no longer be trusted: end every request and start it clean.
+            self.in_flight = None
             self.abort_request(list(self.children))
             if not self.kv.pool.reset_prefix_cache():
                 logger.error("prefix cache not reset: blocks still held after aborting every request")
             raise
-        advanced = self.scheduler.update_from_output(out, result)
-        flags = result.finish_flags
-        self.generation_tokens += len(advanced)
-        deltas.extend([self._on_token(req, flags.get(req.req_id, 0)) for req in advanced])
-        self.num_steps += 1
-        self.step_seconds += time.perf_counter() - t0
-        return deltas
 
     def _on_token(self, req: Request, flags: int) -> StreamDelta:
         """One new token of a running request: text, stop strings, and the end the runner's
@@ -205,7 +241,10 @@ class LLMEngine:
         return self._delta(req, [token], detok.take_delta(True), logprobs)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        self.scheduler.finish_requests([req.req_id], status)
+        if req.status == RequestStatus.RUNNING:
+            self.scheduler.finish_requests([req.req_id], status)
+        else:       # already out of the scheduler (_collect); the final reason is decided here
+            req.status = status
         del self.detokenizers[req.req_id]
         seqs = self.children.get(req.parent_id)
         if seqs is not None:

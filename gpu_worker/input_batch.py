@@ -251,6 +251,7 @@ class InputBatch:
             greedy=None if greedy.all() or not greedy.any() else torch.from_numpy(greedy).to(self.device),
             top_k_max=int(p[:, TOP_K].max()) if (p[:, TOP_K] < self.vocab_size).any() else 0,
             any_top_p=bool((p[:, TOP_P] < 1.0).any()), any_min_p=bool((p[:, MIN_P] > 0).any()),
+            all_top_k=bool((p[:, TOP_K] < self.vocab_size).all()),
             generators=[(i, self.generators[r]) for i, r in enumerate(rows.tolist()) if r in self.generators]
             if self.generators else [])
         out_len = self.num_tokens[rows] - self.num_prompt[rows]

@@ -12,7 +12,8 @@ import math
 import os
 import time
 import weakref
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any, Optional, cast
 
 import numpy as np
 import torch
@@ -27,11 +28,19 @@ from gpu_worker.memory import cuda_graph_bytes, kv_budget_bytes, sampler_workspa
 from gpu_worker.models.llama import use_triton_ops
 from gpu_worker.models.parallel import Shard, check_tensor_parallel
 from gpu_worker.outputs import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
-from gpu_worker.sampler import Sampler
+from gpu_worker.sampler import Sampled, Sampler
 from gpu_worker.warmup import WarmupStep, warmup_plan
 from kernels.fp8 import kv_cache_dtype
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A launched step: its sampling rows, their request ids, and the draw on its way."""
+    sample_rows: np.ndarray
+    req_ids: list[str]
+    sampled: Sampled
 
 
 class ModelRunner:
@@ -280,22 +289,37 @@ class ModelRunner:
             hidden = self.model(ids, pos, meta)
         return self.model.compute_logits(hidden[logits_indices])
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """One whole step: launch, then wait for its tokens."""
+        return self.finish(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> Optional[InFlight]:
+        """Start a step: update the batch, run the model and the sampler, start the tokens'
+        copy to the host. On CUDA this returns while the GPU still works, so the engine can
+        process the previous step's outputs meanwhile; finish() waits. None: nothing samples."""
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.batch.update(out)
         if not out.scheduled:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return None
         logits, inputs = self._run_model(out.scheduled)
         if not inputs.req_ids:
+            return None
+        return InFlight(inputs.sample_rows, inputs.req_ids,
+                        self.sampler.draw(logits, self.batch.sampling_batch(inputs.sample_rows)))
+
+    def finish(self, step: Optional[InFlight]) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens; append them to the batch and check, for all rows
+        at once, which end their requests."""
+        if step is None:
             return ModelRunnerOutput(sampled_token_ids={})
-        tokens, logprobs = self.sampler(logits, self.batch.sampling_batch(inputs.sample_rows))
-        flags = self.batch.append_sampled(inputs.sample_rows, tokens)
+        tokens, logprobs = self.sampler.to_host(step.sampled)
+        flags = self.batch.append_sampled(step.sample_rows, tokens)
         ends = np.flatnonzero(flags)
-        result = ModelRunnerOutput(sampled_token_ids=dict(zip(inputs.req_ids, tokens)),
-                                   finish_flags={inputs.req_ids[i]: int(flags[i]) for i in ends})
-        for rid, lp in zip(inputs.req_ids, logprobs):
+        result = ModelRunnerOutput(sampled_token_ids=dict(zip(step.req_ids, tokens)),
+                                   finish_flags={step.req_ids[i]: int(flags[i]) for i in ends})
+        for rid, lp in zip(step.req_ids, logprobs):
             if lp is not None:
                 result.logprobs[rid] = lp
         return result

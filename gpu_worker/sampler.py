@@ -42,6 +42,7 @@ class SamplingBatch:
     top_k_max: int                            # largest k in use, 0 when no row uses top_k
     any_top_p: bool
     any_min_p: bool
+    all_top_k: bool = False                   # every row uses top_k (known on the host: no sync)
     generators: list[tuple[int, torch.Generator]] = field(default_factory=list)
     # (rows, token ids) to hold back while a row is under min_tokens.
     min_tokens_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -55,17 +56,40 @@ class SamplingBatch:
     outputs: Optional[list[list[int]]] = None
 
 
+@dataclass
+class Sampled:
+    """A step's draw on its way to the host: tokens (int64 [B]), or with logprobs one float64
+    [B, 2 + 2k] block (token, its logprob, k top values, k top ids); on CUDA copied into pinned
+    memory without waiting, `ready` marking when the copy has landed."""
+    host: torch.Tensor
+    ready: Optional[Any]                      # torch.cuda.Event, None when already on the host
+    num_logprobs: Optional[list[int]]
+    k: int
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
         """logits [B, V] fp32 (modified in place) -> (token ids, logprobs or None per row)."""
+        return self.to_host(self.draw(logits, batch))
+
+    def draw(self, logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
+        """Sample on the device and start the copy to the host; on CUDA this returns before
+        the GPU is done (rows whose top_p must check a flat distribution still wait for it)."""
         if batch.grammars is not None and batch.outputs is not None:
             # Before everything else: a token the grammar forbids is not a candidate at all.
             apply_grammar_masks(logits, batch.grammars, batch.outputs)
         raw = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
         logits = self.process(logits, batch)
         tokens = self.sample(logits, batch)
-        return self._to_host(tokens, raw, batch)
+        packed, k = self._pack(tokens, raw, batch)
+        if packed.device.type != "cuda":
+            return Sampled(packed, None, batch.num_logprobs, k)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Sampled(host, ready, batch.num_logprobs, k)
 
     @staticmethod
     def process(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -108,20 +132,29 @@ class Sampler:
         return sampled
 
     @staticmethod
-    def _to_host(tokens: torch.Tensor, raw: Optional[torch.Tensor], b: SamplingBatch
-                 ) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
+    def _pack(tokens: torch.Tensor, raw: Optional[torch.Tensor], b: SamplingBatch) -> tuple[torch.Tensor, int]:
+        """Everything the host needs of the draw in one tensor, so that one copy moves it."""
         if raw is None or b.num_logprobs is None:
-            return tokens.tolist(), [None] * tokens.shape[0]
+            return tokens, 0
         k = max(b.num_logprobs)
         parts = [tokens[:, None].double(), raw.gather(1, tokens[:, None]).double()]
         if k > 0:
             top_vals, top_ids = raw.topk(k, dim=-1)
             parts += [top_vals.double(), top_ids.double()]
-        # One host copy; token ids are exact in float64.
-        host = torch.cat(parts, dim=1).tolist()
+        return torch.cat(parts, dim=1), k     # token ids are exact in float64
+
+    @staticmethod
+    def to_host(s: Sampled) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
+        """Wait for the draw's copy, then (token ids, logprobs or None per row)."""
+        if s.ready is not None:
+            s.ready.synchronize()
+        if s.num_logprobs is None:
+            return s.host.tolist(), [None] * s.host.shape[0]
+        k = s.k
+        host = s.host.tolist()
         out_tokens: list[int] = []
         out_lps: list[Optional[TokenLogprobs]] = []
-        for row, want in zip(host, b.num_logprobs):
+        for row, want in zip(host, s.num_logprobs):
             tok = int(row[0])
             out_tokens.append(tok)
             if want < 0:
@@ -160,7 +193,7 @@ def _sample_truncated(probs: torch.Tensor, b: SamplingBatch, u: torch.Tensor) ->
         kth = best.gather(1, (b.top_k.clamp(max=b.top_k_max).long() - 1)[:, None])
         probs = probs.masked_fill(k_on[:, None] & (probs < kth), 0.0)
     if b.any_top_p:
-        if bool(k_on.all()):
+        if b.all_top_k:
             cand = best.masked_fill(best < kth, 0.0)
         elif vocab <= 4 * TOP_P_CANDIDATES:     # a small vocabulary: sorting costs no more
             cand = _sorted_values(probs)

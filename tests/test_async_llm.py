@@ -160,17 +160,17 @@ def test_queue_full_is_refused(tiny_model):
 
 def test_failed_step_fails_its_streams_and_engine_recovers(engine):
     runner = engine.engine.runner
-    real = runner.execute
+    real = runner.launch
 
     def broken(out):
-        runner.execute = real
+        runner.launch = real
         raise RuntimeError("device lost")
 
     async def main():
         sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
         prompt = rand_ids(40, 9)
         want = await collect(engine.generate("before", prompt, sp))
-        runner.execute = broken
+        runner.launch = broken
         with pytest.raises(RuntimeError, match="device lost"):
             await collect(engine.generate("victim", prompt, sp))
         await wait_idle(engine)
