@@ -34,6 +34,7 @@ import itertools
 import operator
 import random
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -225,7 +226,7 @@ class Scorer:
         self.output_tokens += 0.1 * (max(tokens, 1) - self.output_tokens)
 
     def rank(self, model: str, workers: list[WorkerState], prompt_len: int,
-             hashes: list[bytes], limit: int | None = None, max_output: int | None = None) -> list[Choice]:
+             hashes: Sequence[bytes], limit: int | None = None, max_output: int | None = None) -> list[Choice]:
         """Candidates best first (the best `limit` of them when given). A request's own decode
         runs at most `max_output` tokens (its max_tokens), whatever others average."""
         if not workers:

@@ -22,14 +22,14 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import serving
-from protos.block_hash import block_hashes, namespace_root
+from protos.block_hash import namespace_root
 from protos.limits import Limits, check_fits, check_request
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
@@ -48,6 +48,7 @@ from protos.serving import CLIENT_KEEPALIVE, StartupError, bind, check_port_free
 from protos.tokenization import PromptTokenizer, encode_prompt, prompt_field, tokenizer_digest
 from router.breaker import CircuitBreaker
 from router.cluster import Cluster
+from router.hashing import PromptHasher
 from router.index import BlockIndex
 from router.metrics import RouterMetrics
 from router.scoring import Choice, Scorer, WorkerState
@@ -91,6 +92,7 @@ class RouterService(pb_grpc.GenerationServicer):
         self.worker_credentials = worker_credentials
         self.worker_metadata = (("authorization", f"Bearer {worker_key}"),) if worker_key else None
         self.breaker = CircuitBreaker()
+        self.hasher = PromptHasher()
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.GenerationStub]] = {}
         self._pins: dict[str, _Pin] = {}
         self._pin_locks: dict[str, asyncio.Lock] = {}
@@ -294,13 +296,13 @@ class RouterService(pb_grpc.GenerationServicer):
     def rank(self, model, workers, request, token_ids):
         """The routing decision, with no I/O: candidates best first, and the prompt's block hashes."""
         root = namespace_root(model, request.adapter, request.cache_salt)
-        hashes = block_hashes(token_ids, workers[0].lease.block_size, root)
+        hashes = self.hasher.hashes(token_ids, workers[0].lease.block_size, root)
         shut = self.breaker.open_workers()
         allowed = ([w for w in workers if w.id not in shut] or workers) if shut else workers
         return self.scorer.rank(model, allowed, len(token_ids), hashes, self.max_attempts,
                                 request.sampling.max_tokens or None), hashes
 
-    def claim(self, choice: Choice, request_id: str, prompt_len: int, hashes: list[bytes],
+    def claim(self, choice: Choice, request_id: str, prompt_len: int, hashes: Sequence[bytes],
               sent_at: float | None = None, now: float | None = None) -> None:
         """The decision taken: credit the worker with the request in flight (stamped `sent_at`,
         wall clock) and record the prompt's blocks there speculatively. The blocks the index
