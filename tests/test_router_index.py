@@ -1,4 +1,5 @@
 """Pure-Python unit tests of the router's block index and circuit breaker (scoring: test_scoring.py)."""
+import gc
 import random
 
 import pytest
@@ -96,6 +97,20 @@ def test_eviction_updates_every_owner_alone_or_shared():
     idx.drop_worker("a")
     idx.speculate("d", h[5:], now=0.0)        # takes a's bit again: nothing of a's may show
     assert idx.overlap(h[:1]) == {} and idx.overlap(h[5:]) == {"d": 1}
+
+
+def test_the_index_stays_out_of_the_cyclic_collectors_walk():
+    idx, h = BlockIndex(), chain(8)
+    idx.add("a", h[:4])
+    idx.speculate("a", h, now=0.0)
+    # Per-worker hashes and speculation: dicts of bytes, which CPython does not track (sets it does).
+    assert not gc.is_tracked(idx._by_worker["a"]) and not gc.is_tracked(idx._speculative["a"])
+    from router.server import freeze_heap
+    freeze_heap()                             # the router does this once built: the ordered dict too
+    try:
+        assert gc.get_freeze_count() > 0 and not any(o is idx._owners for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
 
 
 def test_speculation_expires_unless_confirmed():
