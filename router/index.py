@@ -13,6 +13,9 @@ collection would walk (tens of milliseconds, a third of the mean decision cost a
 The per-worker collections are dicts of bytes, which CPython stops tracking; the one ordered
 dict is frozen with the rest of the router's startup heap (router.server.freeze_heap).
 
+A worker's own dict also marks its speculative blocks (with their deadline; None once reported),
+so a speculated block costs two entries (owners, worker) and expiry walks only what is due.
+
 Bounded: past `max_blocks` hashes the least recently touched entry goes (a lookup or a store
 touches), so memory stays fixed however many blocks the cluster churns through. A lookup
 touches a chain's matched blocks from the last to the first, so that eviction shortens a chain
@@ -35,20 +38,26 @@ class BlockIndex:
             raise ValueError(f"index_max_blocks: must be at least 1 (got {max_blocks})")
         self.max_blocks, self.speculative_ttl_s = max_blocks, speculative_ttl_s
         self._owners: OrderedDict[bytes, int] = OrderedDict()      # hash -> bitmap of worker bits
-        self._by_worker: dict[str, dict[bytes, None]] = {}            # worker -> its hashes
+        # worker -> its hashes: None once reported, else the deadline of its speculation. A lone
+        # owner's bitmap finds its dict in one lookup (`_alone`): most blocks have one owner, and
+        # eviction (every insert past the bound) needs no bit walk for them.
+        self._by_worker: dict[str, dict[bytes, float | None]] = {}
+        self._alone: dict[int, dict[bytes, float | None]] = {}
         self._bit: dict[str, int] = {}                             # worker -> its bit
         self._name: dict[int, str] = {}                            # bit -> worker
         self._free_bits: list[int] = []
-        self._speculative: dict[str, dict[bytes, float]] = {}      # worker -> hash -> deadline
-        # A lone owner's bitmap -> its hash set and speculation: most blocks have one owner, so
-        # eviction (every insert past the bound) finds both in one lookup instead of a bit walk.
-        self._alone: dict[int, tuple[dict[bytes, None], dict[bytes, float]]] = {}
+        # Speculations in the order made, so in deadline order (the clock is monotonic): expiry
+        # looks at those due, never at every speculative block.
+        self._speculated: deque[tuple[float, str, tuple[bytes, ...]]] = deque()
 
     def __len__(self) -> int:
         return len(self._owners)
 
     def blocks_of(self, worker: str) -> int:
         return len(self._by_worker.get(worker, ()))
+
+    def speculative_blocks(self, worker: str) -> int:
+        return sum(1 for t in self._by_worker.get(worker, {}).values() if t is not None)
 
     def workers(self) -> list[str]:
         return [w for w, hs in self._by_worker.items() if hs]
@@ -58,16 +67,14 @@ class BlockIndex:
         if bit is None:
             bit = self._free_bits.pop() if self._free_bits else len(self._bit)
             self._bit[worker], self._name[bit] = bit, worker
-            self._by_worker[worker], self._speculative[worker] = {}, {}
-            self._alone[1 << bit] = (self._by_worker[worker], self._speculative[worker])
+            self._by_worker[worker] = self._alone[1 << bit] = {}
         return 1 << bit
 
     def add(self, worker: str, hashes: Iterable[bytes]) -> None:
-        flag, owners = self._flag(worker), self._owners
-        mine, spec = self._by_worker[worker], self._speculative.get(worker)
+        """Blocks the worker reports cached (confirming any it was speculated to hold)."""
+        flag, owners, = self._flag(worker), self._owners
+        mine = self._by_worker[worker]
         for h in hashes:
-            if spec:
-                spec.pop(h, None)
             m = owners.get(h)
             if m is None:
                 owners[h] = flag
@@ -81,11 +88,8 @@ class BlockIndex:
         bit = self._bit.get(worker)
         if bit is None:
             return
-        keep, owners = ~(1 << bit), self._owners
-        mine, spec = self._by_worker[worker], self._speculative.get(worker)
+        keep, owners, mine = ~(1 << bit), self._owners, self._by_worker[worker]
         for h in hashes:
-            if spec:
-                spec.pop(h, None)
             mine.pop(h, None)
             m = owners.get(h)
             if m is not None:
@@ -106,7 +110,6 @@ class BlockIndex:
         self.remove(worker, list(self._by_worker[worker]))
         bit = self._bit.pop(worker)
         del self._name[bit], self._by_worker[worker], self._alone[1 << bit]
-        self._speculative.pop(worker, None)
         self._free_bits.append(bit)        # every block has lost this bit: safe to hand out again
 
     def replace_worker(self, worker: str, hashes: Iterable[bytes]) -> None:
@@ -117,7 +120,8 @@ class BlockIndex:
         """Record that `worker` is about to cache `hashes` (not yet reported)."""
         deadline = (time.monotonic() if now is None else now) + self.speculative_ttl_s
         flag, owners = self._flag(worker), self._owners
-        mine, spec = self._by_worker[worker], self._speculative[worker]
+        mine = self._by_worker[worker]
+        new = []
         for h in hashes:
             m = owners.get(h)
             if m is None:
@@ -127,16 +131,23 @@ class BlockIndex:
             else:
                 owners[h] = m | flag
                 owners.move_to_end(h)
-            mine[h] = None
-            spec[h] = deadline
+            mine[h] = deadline
+            new.append(h)
+        if new:
+            self._speculated.append((deadline, worker, tuple(new)))
         self._evict()
 
     def expire_speculation(self, now: float | None = None) -> None:
+        """Drop speculations past their deadline that no report confirmed (nor a later one renewed)."""
         now = time.monotonic() if now is None else now
-        for worker, spec in list(self._speculative.items()):
-            dead = [h for h, t in spec.items() if t <= now]
-            if dead:
-                self.remove(worker, dead)
+        due = self._speculated
+        while due and due[0][0] <= now:
+            deadline, worker, hashes = due.popleft()
+            mine = self._by_worker.get(worker)
+            if mine:
+                dead = [h for h in hashes if mine.get(h) == deadline]
+                if dead:
+                    self.remove(worker, dead)
 
     def overlap(self, hashes: Sequence[bytes], workers: Iterable[str] | None = None) -> dict[str, int]:
         """Leading blocks of `hashes` each worker holds (a chain is only usable from its start);
@@ -172,12 +183,9 @@ class BlockIndex:
             h, m = owners.popitem(last=False)
             one = alone.get(m)
             if one is not None:
-                one[0].pop(h, None)
-                one[1].pop(h, None)
+                one.pop(h, None)
                 continue
             while m:
                 low = m & -m
-                mine, spec = alone[low]
-                mine.pop(h, None)
-                spec.pop(h, None)
+                alone[low].pop(h, None)
                 m ^= low

@@ -93,7 +93,7 @@ def test_eviction_updates_every_owner_alone_or_shared():
     idx.add("c", h[2:3])
     idx.add("c", h[3:5])                      # evicts block 0 (a alone), then block 1 (a and b)
     assert len(idx) == 3 and idx.blocks_of("a") == 0 and idx.blocks_of("b") == 0
-    assert idx.blocks_of("c") == 3 and not idx._speculative["a"]
+    assert idx.blocks_of("c") == 3 and idx.speculative_blocks("a") == 0
     idx.drop_worker("a")
     idx.speculate("d", h[5:], now=0.0)        # takes a's bit again: nothing of a's may show
     assert idx.overlap(h[:1]) == {} and idx.overlap(h[5:]) == {"d": 1}
@@ -103,14 +103,29 @@ def test_the_index_stays_out_of_the_cyclic_collectors_walk():
     idx, h = BlockIndex(), chain(8)
     idx.add("a", h[:4])
     idx.speculate("a", h, now=0.0)
-    # Per-worker hashes and speculation: dicts of bytes, which CPython does not track (sets it does).
-    assert not gc.is_tracked(idx._by_worker["a"]) and not gc.is_tracked(idx._speculative["a"])
+    # Per-worker hashes and speculation: a dict of bytes, which CPython does not track (a set it does).
+    assert idx.speculative_blocks("a") == 4 and not gc.is_tracked(idx._by_worker["a"])
     from router.server import freeze_heap
     freeze_heap()                             # the router does this once built: the ordered dict too
     try:
         assert gc.get_freeze_count() > 0 and not any(o is idx._owners for o in gc.get_objects())
     finally:
         gc.unfreeze()
+
+
+def test_expiry_takes_only_its_own_speculation_still_unconfirmed():
+    idx, h = BlockIndex(max_blocks=3, speculative_ttl_s=5), chain(4)
+    idx.speculate("a", h[:2], now=0.0)
+    idx.speculate("a", h[2:3], now=1.0)
+    idx.add("a", h[3:4])                      # reported; evicts block 0, the oldest...
+    idx.speculate("a", h[:1], now=2.0)        # ...speculated again, later (this evicts block 1)
+    assert idx.speculative_blocks("a") == 2 and len(idx) == 3
+    idx.expire_speculation(now=5.0)           # the first speculation is due: block 0 is the later one's
+    assert idx.overlap(h[:1]) == {"a": 1} and idx.speculative_blocks("a") == 2
+    idx.expire_speculation(now=6.0)
+    assert idx.overlap(h[2:3]) == {} and idx.overlap(h[3:]) == {"a": 1}     # block 3 was reported
+    idx.expire_speculation(now=7.0)
+    assert len(idx) == 1 and idx.speculative_blocks("a") == 0 and not idx._speculated
 
 
 def test_speculation_expires_unless_confirmed():

@@ -206,6 +206,6 @@ def test_claim_credits_the_choice_and_speculates_past_what_it_holds():
     assert best.worker is a and best.cached_tokens == 32
     service.claim(best, "r1", 4 * 16 + 5, h, sent_at=10.0, now=100.0)
     assert a.credits["r1"].prefill_tokens == 4 * 16 + 5 - 32 and a.credits["r1"].sent_at == 10.0
-    assert idx.overlap(h) == {"a": 4} and set(idx._speculative["a"]) == set(h[2:])
+    assert idx.overlap(h) == {"a": 4} and {x for x, t in idx._by_worker["a"].items() if t is not None} == set(h[2:])
     idx.expire_speculation(now=105.0)                       # the reported blocks are not speculative
     assert idx.overlap(h) == {"a": 2}
