@@ -1,9 +1,11 @@
-"""Prompt tokenization without transformers: the same ids as the worker's Hugging Face tokenizer.
+"""Tokenization without transformers: the same ids and text as the Hugging Face tokenizer.
 
 A router must compute block hashes over exactly the ids a worker will see, but it carries no
 torch or transformers. PromptTokenizer rebuilds the tokenizer from the two JSON texts a worker
 serves in GetModelInfo (tokenizer.json and tokenizer_config.json) with `tokenizers` and renders
 chat templates with a sandboxed jinja2 environment configured as transformers configures its own.
+A worker process holds exactly one, which also decodes its output and names its EOS token, as
+transformers' fast tokenizer (TokenizersBackend) would for the same files.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# transformers leaves clean-up off for BPE models (it would eat spaces before punctuation)
+# unless this flag forces it.
+_FORCE_BPE_CLEAN_UP = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
 
 
 def _token_text(value: Any) -> str | None:
@@ -61,6 +66,14 @@ def tokenizer_digest(tokenizer_json: str, tokenizer_config_json: str) -> str:
     return h.hexdigest()[:32]
 
 
+def _clean_up(text: str) -> str:
+    # transformers' clean_up_tokenization, replacement for replacement and in its order.
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
 class PromptTokenizer:
     """Text and chat messages -> token ids, from tokenizer.json + tokenizer_config.json texts."""
 
@@ -74,6 +87,8 @@ class PromptTokenizer:
         self._tok.encode_special_tokens = bool(self.config.get("split_special_tokens", False))
         self.chat_template = self._pick_template(self.config.get("chat_template"))
         self._compiled = _template_env().from_string(self.chat_template) if self.chat_template else None
+        self.clean_up_tokenization_spaces = bool(self.config.get("clean_up_tokenization_spaces", False)) and (
+            type(self._tok.model).__name__ != "BPE" or bool(self.config.get(_FORCE_BPE_CLEAN_UP, False)))
 
     @classmethod
     def from_dir(cls, path: str) -> "PromptTokenizer":
@@ -86,6 +101,13 @@ class PromptTokenizer:
         if os.path.exists(cfg_path):
             with open(cfg_path, encoding="utf-8") as f:
                 config = json.load(f)
+        map_path = os.path.join(path, "special_tokens_map.json")
+        if "added_tokens_decoder" not in config and os.path.exists(map_path):
+            # transformers' legacy layout: without added_tokens_decoder, this file's named tokens
+            # override the config's.
+            with open(map_path, encoding="utf-8") as f:
+                config.update({k: v for k, v in json.load(f).items()
+                               if k in _NAMED_SPECIAL or k in ("additional_special_tokens", "extra_special_tokens")})
         jinja_path = os.path.join(path, "chat_template.jinja")
         if os.path.exists(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
@@ -102,6 +124,21 @@ class PromptTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.special_tokens.get("eos_token")
+        return None if eos is None else self._tok.token_to_id(eos)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def decode_backend(self) -> Tokenizer | None:
+        """The `tokenizers` object, when decoding through it alone gives decode()'s text (for
+        its DecodeStream); None when clean-up follows."""
+        return None if self.clean_up_tokenization_spaces else self._tok
 
     def encode_text(self, text: str) -> list[int]:
         """As `hf_tokenizer.encode(text)`: tokenizer.json's post-processor adds any BOS/EOS.
@@ -128,12 +165,16 @@ class PromptTokenizer:
             raise ValueError(f"messages: chat template refused them: {e}") from None
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """As `hf_tokenizer.decode(ids, skip_special_tokens=...)`, clean-up of spaces included."""
+        text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _clean_up(text) if self.clean_up_tokenization_spaces else text
 
     def _add_missing_special_tokens(self) -> None:
-        # Mirror transformers: named special tokens and added_tokens_decoder entries absent from
-        # tokenizer.json are appended as special tokens, in id order.
+        # Mirror transformers: added_tokens_decoder entries absent from tokenizer.json, then named
+        # and extra special tokens that are not added tokens there (a plain vocabulary entry too,
+        # which keeps its id but becomes special), are added as special tokens, in that order.
+        added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
         have = set(self._tok.get_vocab(with_added_tokens=True))
         wanted = []
         for _, spec in sorted((self.config.get("added_tokens_decoder") or {}).items(), key=lambda kv: int(kv[0])):
@@ -142,11 +183,18 @@ class PromptTokenizer:
                                          lstrip=spec.get("lstrip", False), rstrip=spec.get("rstrip", False),
                                          normalized=spec.get("normalized", False),
                                          single_word=spec.get("single_word", False)))
-        for text in self.special_tokens.values():
-            if text not in have and all(t.content != text for t in wanted):
+        for text in [*self.special_tokens.values(), *self._extra_special_tokens()]:
+            if text not in added and all(t.content != text for t in wanted):
                 wanted.append(AddedToken(text, special=True))
         if wanted:
             self._tok.add_special_tokens(wanted)
+
+    def _extra_special_tokens(self) -> list[str]:
+        # additional_special_tokens is the older name transformers still reads.
+        extra = self.config.get("extra_special_tokens") or self.config.get("additional_special_tokens")
+        if not isinstance(extra, list):
+            return []
+        return [t for t in map(_token_text, extra) if t]
 
     @staticmethod
     def _pick_template(value: Any) -> str | None:

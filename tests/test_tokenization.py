@@ -1,4 +1,4 @@
-"""PromptTokenizer (tokenizers + jinja2 only) gives the same ids as the Hugging Face tokenizer."""
+"""PromptTokenizer (tokenizers + jinja2 only) gives the same ids, text and EOS as the Hugging Face tokenizer."""
 import json
 
 import pytest
@@ -131,3 +131,76 @@ def test_tiny_model_tokenizer_matches_hf(tiny_model_factory, family):
     for msgs in MESSAGES:
         want = hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
         assert ours.encode_chat(msgs) == list(want)
+
+
+def _word_level() -> Tokenizer:
+    # Not BPE, so transformers honours clean_up_tokenization_spaces; "</s>", "!", "it" and "x" are
+    # plain vocabulary entries until a config names them special.
+    words = ["<unk>", "hello", "world", "</s>", "<s>", ".", ",", "!", "?", "'s", "it", "n't", "do", "'", "x"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
+
+
+DECODE_CASES = {
+    "clean_up": (_word_level, {"eos_token": "</s>", "bos_token": "<s>", "clean_up_tokenization_spaces": True}, None),
+    "extra_special_in_vocab": (_word_level, {"eos_token": "</s>", "additional_special_tokens": ["x"]}, None),
+    "legacy_special_tokens_map": (_word_level, {"eos_token": "</s>"}, {"eos_token": "!", "additional_special_tokens": ["it"]}),
+    "bpe_clean_up_ignored": (lambda: _train(["<unk>", "<s>", "</s>"]),
+                             {"eos_token": "</s>", "clean_up_tokenization_spaces": True}, None),
+    "bpe_clean_up_forced": (lambda: _train(["<unk>", "<s>", "</s>"]),
+                            {"eos_token": "</s>", "clean_up_tokenization_spaces": True,
+                             "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": True}, None),
+}
+
+
+def _assert_decodes_like_hf(hf, ours):
+    import random
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(hf)) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), (ids, skip)
+    for text in TEXTS + ["hello world . it 's ! do n't , x ?"]:     # what clean-up rewrites
+        ids = hf.encode(text)
+        assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True), text
+    assert ours.decode([hf.eos_token_id]) == hf.decode([hf.eos_token_id])      # both default to keeping it
+    assert ours.eos_token_id == hf.eos_token_id and ours.eos_token == hf.eos_token
+    assert ours.vocab_size == len(hf)
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_eos_and_ids_match_hf(tmp_path, case):
+    # What a worker needs beyond prompts (its one tokenizer also detokenizes and names EOS).
+    build, cfg, special_tokens_map = DECODE_CASES[case]
+    d = _write(tmp_path / case, build(), {"tokenizer_class": "PreTrainedTokenizerFast", **cfg})
+    if special_tokens_map is not None:
+        (tmp_path / case / "special_tokens_map.json").write_text(json.dumps(special_tokens_map))
+    hf = transformers.AutoTokenizer.from_pretrained(d)
+    ours = PromptTokenizer.from_dir(d)
+    _assert_decodes_like_hf(hf, ours)
+    for text in TEXTS + ["hello world . it 's ! x do n't", "hello </s> world <s> it x"]:
+        assert ours.encode_text(text) == hf.encode(text), text
+    # The served texts carry all of it (a router rebuilds the same tokenizer).
+    again = PromptTokenizer(ours.tokenizer_json, ours.tokenizer_config_json)
+    assert (again.eos_token_id, again.clean_up_tokenization_spaces) == (ours.eos_token_id, ours.clean_up_tokenization_spaces)
+    assert again.decode(list(range(len(hf)))) == ours.decode(list(range(len(hf))))
+
+
+def test_clean_up_turns_off_the_stream_backend(tmp_path):
+    # DecodeStream would skip transformers' clean-up, so the detokenizer must not use it then.
+    build, cfg, _ = DECODE_CASES["clean_up"]
+    ours = PromptTokenizer.from_dir(_write(tmp_path / "c", build(), cfg))
+    assert ours.clean_up_tokenization_spaces and ours.decode_backend is None
+    assert ours.decode([1, 5, 10, 9]) == "hello. it's"       # not "hello . it 's"
+
+
+def test_decode_and_eos_match_hf_on_fixtures(tokenizer_dir):
+    _assert_decodes_like_hf(transformers.AutoTokenizer.from_pretrained(tokenizer_dir),
+                            PromptTokenizer.from_dir(tokenizer_dir))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tiny_model_decode_and_eos_match_hf(tiny_model_factory, family):
+    d = tiny_model_factory(family)
+    _assert_decodes_like_hf(transformers.AutoTokenizer.from_pretrained(d), PromptTokenizer.from_dir(d))
