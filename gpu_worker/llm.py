@@ -35,7 +35,7 @@ class LLM:
         try:
             for prompt, p in zip(batch, params):
                 text = prompt if isinstance(prompt, str) else None
-                ids: list[int] = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+                ids: list[int] = self.tokenizer.encode_text(prompt) if text is not None else list(prompt)
                 rid = f"llm-{next(self._ids)}"
                 self.engine.add_request(rid, ids, p)
                 added.append(rid)

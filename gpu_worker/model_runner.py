@@ -31,6 +31,7 @@ from gpu_worker.outputs import ModelRunnerOutput, NewRequest, ScheduledRequest, 
 from gpu_worker.sampler import Sampled, Sampler
 from gpu_worker.warmup import WarmupStep, warmup_plan
 from kernels.fp8 import kv_cache_dtype
+from protos.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,13 @@ class InFlight:
     sample_rows: np.ndarray
     req_ids: list[str]
     sampled: Sampled
+
+
+def load_tokenizer(model_path: str) -> PromptTokenizer:
+    if not os.path.exists(os.path.join(model_path, "tokenizer.json")):
+        raise ValueError(f"model: {model_path} has no tokenizer.json (the worker reads the tokenizer "
+                         "from it, as the router does)")
+    return PromptTokenizer.from_dir(model_path)
 
 
 class ModelRunner:
@@ -61,9 +69,10 @@ class ModelRunner:
             # Started first: the other ranks start while this one reads the tokenizer.
             self.tp = distributed.TensorParallel(config, self.hf_config)
             weakref.finalize(self, self.tp.close)
-        if rank == 0:    # other ranks never tokenize (nor import transformers' tokenizers)
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if rank == 0:    # other ranks never tokenize
+            # The worker process's one tokenizer: the engine detokenizes with it, the server
+            # encodes prompts, serves its texts and compiles grammars with it.
+            self.tokenizer: PromptTokenizer = load_tokenizer(self.model_path)
         self.vocab_size = int(self.hf_config.vocab_size)
         # Sliding windows are applied exactly by the attention layers: the limit is the model's.
         limit = int(self.hf_config.max_position_embeddings)

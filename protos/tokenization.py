@@ -66,12 +66,43 @@ def tokenizer_digest(tokenizer_json: str, tokenizer_config_json: str) -> str:
     return h.hexdigest()[:32]
 
 
-def _clean_up(text: str) -> str:
-    # transformers' clean_up_tokenization, replacement for replacement and in its order.
-    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+# transformers' clean_up_tokenization, replacement for replacement and in its order.
+_CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def clean_up_tokenization(text: str) -> str:
+    for before, after in _CLEAN_UP:
         text = text.replace(before, after)
     return text
+
+
+# What a rewrite can span after its space: each of the above, and what the " ' " -> "'" rewrite
+# joins for a later one (" n ' t" -> " n't" -> "n't", "  ' s" -> " 's" -> "'s").
+_SPANS = (tuple(before[1:] for before, _ in _CLEAN_UP) + ("n ' t",)
+          + tuple(" ' " + x for x in ("s", "m", "ve", "re")))
+_LONGEST = max(map(len, _SPANS))
+
+
+def clean_up_cut(text: str, lo: int = 0) -> int:
+    """The largest cut in [lo, len(text)] that no clean-up rewrite can span, whatever text
+    follows: clean_up_tokenization(text + more) == clean_up(text[:cut]) + clean_up(text[cut:] + more).
+    Every rewrite starts at a space, so a cut is safe unless a space just before it begins one
+    that reaches past it (or may, once more text comes)."""
+    cut = len(text)
+    while cut > lo and not _safe_cut(text, cut):
+        cut -= 1
+    return cut
+
+
+def _safe_cut(text: str, cut: int) -> bool:
+    for j in range(max(0, cut - _LONGEST - 1), cut):
+        if text[j] == " ":
+            after = text[j + 1:j + 1 + _LONGEST]
+            for rest in _SPANS:
+                if j + 1 + len(rest) > cut and (after.startswith(rest) or rest.startswith(after)):
+                    return False
+    return True
 
 
 class PromptTokenizer:
@@ -135,10 +166,9 @@ class PromptTokenizer:
         return self.special_tokens.get("eos_token")
 
     @property
-    def decode_backend(self) -> Tokenizer | None:
-        """The `tokenizers` object, when decoding through it alone gives decode()'s text (for
-        its DecodeStream); None when clean-up follows."""
-        return None if self.clean_up_tokenization_spaces else self._tok
+    def backend(self) -> Tokenizer:
+        """The `tokenizers` object: its decode is decode() before clean_up_tokenization."""
+        return self._tok
 
     def encode_text(self, text: str) -> list[int]:
         """As `hf_tokenizer.encode(text)`: tokenizer.json's post-processor adds any BOS/EOS.
@@ -168,7 +198,7 @@ class PromptTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """As `hf_tokenizer.decode(ids, skip_special_tokens=...)`, clean-up of spaces included."""
         text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
-        return _clean_up(text) if self.clean_up_tokenization_spaces else text
+        return clean_up_tokenization(text) if self.clean_up_tokenization_spaces else text
 
     def _add_missing_special_tokens(self) -> None:
         # Mirror transformers: added_tokens_decoder entries absent from tokenizer.json, then named

@@ -23,6 +23,13 @@ def llm(tiny_llm_factory):
     return tiny_llm_factory("llama", num_kv_blocks=128)
 
 
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    """transformers' tokenizer of llm's checkpoint: what the engine's own must match."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
 def run_engine(engine, *, max_steps=2000):
     deltas = []
     for _ in range(max_steps):
@@ -52,21 +59,21 @@ def test_prefix_cache_hit_reports_cached_tokens_and_same_output(tiny_llm_factory
     assert after.prefix_cache_hits - before.prefix_cache_hits == 192
 
 
-def test_streamed_text_is_the_decoded_output_and_max_tokens_is_length(llm):
+def test_streamed_text_is_the_decoded_output_and_max_tokens_is_length(llm, hf):
     out = llm.generate([rand_ids(30, 4)], SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY))[0]
     c = out.outputs[0]
     assert len(c.token_ids) == 40 and c.finish_reason == "length" and c.stop_reason is None
-    assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    assert c.text == hf.decode(c.token_ids, skip_special_tokens=True)
 
 
-def test_text_prompt_is_tokenized_like_the_tokenizer(llm):
+def test_text_prompt_is_tokenized_like_the_tokenizer(llm, hf):
     out = llm.generate("The quick brown fox", SamplingParams(max_tokens=3, **GREEDY))[0]
     assert out.prompt == "The quick brown fox"
-    assert out.prompt_token_ids == llm.tokenizer.encode("The quick brown fox")
+    assert out.prompt_token_ids == hf.encode("The quick brown fox")
     assert len(out.outputs[0].token_ids) >= 1
 
 
-def test_stop_token_ids_stop_at_first_occurrence(llm):
+def test_stop_token_ids_stop_at_first_occurrence(llm, hf):
     prompt = rand_ids(20, 5)
     full = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY))[0].outputs[0]
     stop_tok = full.token_ids[5]
@@ -76,7 +83,7 @@ def test_stop_token_ids_stop_at_first_occurrence(llm):
     assert out.token_ids == full.token_ids[:first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     # The stop token's own text is not part of the output.
-    assert out.text == llm.tokenizer.decode(full.token_ids[:first], skip_special_tokens=True)
+    assert out.text == hf.decode(full.token_ids[:first], skip_special_tokens=True)
 
 
 def test_min_tokens_defers_stop_tokens(llm):
@@ -91,20 +98,20 @@ def test_min_tokens_defers_stop_tokens(llm):
         assert out.token_ids[-1] == stop_tok and stop_tok not in out.token_ids[:-1]
 
 
-def test_min_tokens_defers_stop_strings(llm):
-    prompt = llm.tokenizer.encode("Once upon a time there was a small model")
+def test_min_tokens_defers_stop_strings(llm, hf):
+    prompt = hf.encode("Once upon a time there was a small model")
     full = llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, **GREEDY))[0].outputs[0]
-    early = llm.tokenizer.decode(full.token_ids[:2], skip_special_tokens=True).strip()
-    assert early and full.text.find(early) < len(llm.tokenizer.decode(full.token_ids[:2]))
+    early = hf.decode(full.token_ids[:2], skip_special_tokens=True).strip()
+    assert early and full.text.find(early) < len(hf.decode(full.token_ids[:2]))
     out = llm.generate([prompt], SamplingParams(max_tokens=24, min_tokens=6, stop=[early], ignore_eos=True,
                                                 **GREEDY))[0].outputs[0]
     # The stop string completed within the first two tokens, before min_tokens allowed a stop.
     assert len(out.token_ids) >= 6 and out.token_ids == full.token_ids[:len(out.token_ids)]
 
 
-def test_stop_strings_earliest_completed_wins_and_truncates(llm):
+def test_stop_strings_earliest_completed_wins_and_truncates(llm, hf):
     # Real words, so the tiny model's BPE produces text with several distinct substrings.
-    prompt = llm.tokenizer.encode("Once upon a time there was a small model")
+    prompt = hf.encode("Once upon a time there was a small model")
     full = llm.generate([prompt], SamplingParams(max_tokens=48, ignore_eos=True, **GREEDY))[0].outputs[0]
     text = full.text
     assert len(text) >= 12

@@ -113,8 +113,8 @@ def test_ragged_batch_with_chunked_prefill_over_cached_blocks(tiny_model_factory
 def test_greedy_ids_equal_transformers_generate(tiny_model_factory, hf_models, family):
     path = tiny_model_factory(family)
     runner = make_runner(path, 16, num_blocks=8)
-    tok = runner.tokenizer
-    prompt = tok.encode("Once upon a time the router")
+    prompt = transformers.AutoTokenizer.from_pretrained(path).encode("Once upon a time the router")
+    assert runner.tokenizer.encode_text("Once upon a time the router") == prompt
     x = torch.tensor([prompt])
     with torch.no_grad():
         want = hf_models(family).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20,
@@ -166,8 +166,9 @@ def test_half_precision_tracks_transformers_in_the_same_dtype(tiny_model, dtype)
 
 def test_runner_attributes_and_block_sizing(tiny_model):
     r = ModelRunner(EngineConfig(model=tiny_model, device="cpu", block_size=16))
-    assert r.vocab_size == len(r.tokenizer) and r.max_model_len == 1024
-    assert r.eos_token_ids == [r.tokenizer.eos_token_id, r.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_model)
+    assert r.vocab_size == len(hf) == r.tokenizer.vocab_size and r.max_model_len == 1024
+    assert r.eos_token_ids == [hf.eos_token_id, hf.convert_tokens_to_ids("<|im_end|>")]
     assert r.num_blocks_for() == 8 * 1024 // 16
     per_block = 2 * 2 * 16 * 2 * 16 * 4      # K+V, layers, block, kv heads, head_dim, fp32
     assert r.bytes_per_block() == per_block
@@ -313,3 +314,26 @@ def test_paged_attention_layer_passes_features_to_the_kernel():
     expected = paged_attention_ref(*args, 0.5, sliding_window=5, softcap=2.0, sinks=sinks)
     torch.testing.assert_close(layer(b["q"], kv, kv, meta, scale=0.5, sinks=sinks), expected)
     assert not torch.allclose(expected, paged_attention_ref(*args, 0.5))
+
+
+def _eos_ids(tokenizer, path):
+    from types import SimpleNamespace
+
+    from gpu_worker.loader import load_hf_config
+    runner = SimpleNamespace(tokenizer=tokenizer, model_path=path, hf_config=load_hf_config(path))
+    return ModelRunner._eos_token_ids(runner)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eos_ids_are_those_transformers_tokenizer_gives(tiny_model_factory, family, tmp_path):
+    # The runner's one tokenizer (not transformers') names EOS; generation_config's ids come
+    # on top, or the model config's where there is no generation_config.
+    import shutil
+
+    from gpu_worker.model_runner import load_tokenizer
+    src = tiny_model_factory(family)
+    no_gen = str(tmp_path / "no_generation_config")
+    shutil.copytree(src, no_gen, ignore=shutil.ignore_patterns("generation_config.json", "*.safetensors"))
+    for path in (src, no_gen):
+        got = _eos_ids(load_tokenizer(path), path)
+        assert got and got == _eos_ids(transformers.AutoTokenizer.from_pretrained(path), path)

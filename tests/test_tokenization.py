@@ -4,7 +4,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from protos.tokenization import PromptTokenizer
+from protos.tokenization import PromptTokenizer, clean_up_cut, clean_up_tokenization
 
 transformers = pytest.importorskip("transformers")
 
@@ -187,11 +187,10 @@ def test_decode_eos_and_ids_match_hf(tmp_path, case):
     assert again.decode(list(range(len(hf)))) == ours.decode(list(range(len(hf))))
 
 
-def test_clean_up_turns_off_the_stream_backend(tmp_path):
-    # DecodeStream would skip transformers' clean-up, so the detokenizer must not use it then.
+def test_clean_up_follows_the_backend_decode(tmp_path):
     build, cfg, _ = DECODE_CASES["clean_up"]
     ours = PromptTokenizer.from_dir(_write(tmp_path / "c", build(), cfg))
-    assert ours.clean_up_tokenization_spaces and ours.decode_backend is None
+    assert ours.clean_up_tokenization_spaces and ours.backend.decode([1, 5, 10, 9]) == "hello . it 's"
     assert ours.decode([1, 5, 10, 9]) == "hello. it's"       # not "hello . it 's"
 
 
@@ -204,3 +203,19 @@ def test_decode_and_eos_match_hf_on_fixtures(tokenizer_dir):
 def test_tiny_model_decode_and_eos_match_hf(tiny_model_factory, family):
     d = tiny_model_factory(family)
     _assert_decodes_like_hf(transformers.AutoTokenizer.from_pretrained(d), PromptTokenizer.from_dir(d))
+
+
+def test_clean_up_cut_is_never_spanned_by_a_rewrite():
+    # What lets the detokenizer clean up streamed text once: whatever follows, the text before
+    # the cut cleans up on its own. The " ' " rewrite joins text for later ones (" n ' t").
+    import random
+    rng = random.Random(0)
+    for a, b in [("xvs n ' ", "tr."), ("?v  ", "' sx"), ("it ", "'s"), ("a ' ", "s"), ("a b", " ,")]:
+        cut = clean_up_cut(a)
+        assert clean_up_tokenization(a + b) == clean_up_tokenization(a[:cut]) + clean_up_tokenization(a[cut:] + b)
+    for _ in range(20000):
+        a, b = ("".join(rng.choice("   ''.ntsvermx,?!") for _ in range(rng.randrange(n))) for n in (14, 8))
+        cut = clean_up_cut(a)
+        assert clean_up_tokenization(a + b) == clean_up_tokenization(a[:cut]) + clean_up_tokenization(a[cut:] + b)
+    assert clean_up_cut("hello world") == 11 and clean_up_cut("a b c d") == 7    # nothing to hold
+    assert clean_up_cut("hello ") == 5 and clean_up_cut("do n'") == 2
