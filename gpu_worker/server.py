@@ -56,10 +56,12 @@ class _NotFound(Exception):
 
 
 class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
-    def __init__(self, engine, tokenizer: PromptTokenizer, worker_id: str, metrics=None,
+    def __init__(self, engine, worker_id: str, metrics=None,
                  health_servicer: Optional[health.aio.HealthServicer] = None, on_drain=None,
                  limits: Limits = Limits(), keyring: Optional[KeyRing] = None):
-        self.engine, self.tokenizer, self.worker_id, self.limits = engine, tokenizer, worker_id, limits
+        self.engine, self.worker_id, self.limits = engine, worker_id, limits
+        # The engine's tokenizer, the process's only one: prompts, served texts, digest, grammars.
+        self.tokenizer: PromptTokenizer = engine.tokenizer
         self.keyring = keyring
         self.epoch = rs.new_epoch()                # of this process; also in the Redis lease
         self.on_drain = on_drain                   # async callable run once when draining starts
@@ -67,7 +69,7 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         self.model_name = engine.model_name
         self.draining = False
         self.active: set[asyncio.Task] = set()     # handler tasks of open Generate streams
-        self.grammars = GrammarCompiler(tokenizer.tokenizer_json, engine.vocab_size, engine.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer.tokenizer_json, engine.vocab_size, engine.eos_token_ids)
 
     # ---- Generation ---------------------------------------------------------------------
 
@@ -266,13 +268,12 @@ class Worker:
             from gpu_worker.config import EngineConfig
             self.engine = AsyncLLM(EngineConfig(**worker_args.engine_config_kwargs(a)))
         engine = self.engine
-        tokenizer = PromptTokenizer.from_dir(a.model)
         if metrics_port:
             from gpu_worker.metrics import WorkerMetrics
             self.metrics = WorkerMetrics(engine.stats, engine.model_name, a.metrics_prefix)
             self.metrics.serve(a.host, metrics_port)
         health_servicer = health.aio.HealthServicer()
-        self.service = WorkerService(engine, tokenizer, self.worker_id, self.metrics, health_servicer,
+        self.service = WorkerService(engine, self.worker_id, self.metrics, health_servicer,
                                      on_drain=self._stop_publisher, limits=Limits.from_args(a),
                                      keyring=self.keyring)
         pb_grpc.add_GenerationServicer_to_server(self.service, self.server)
