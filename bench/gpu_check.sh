@@ -68,10 +68,10 @@ if [ $DRY = 0 ]; then
 fi
 # shellcheck disable=SC2086
 part gpu_tests 170 "$PY" -m pytest -q -rs -p no:cacheprovider $GPU_TESTS
-part kernels 130 "$PY" bench/kernels.py --quick --no-flex --budget-s 100 --out "$OUT/kernels.md"
+part kernels 110 "$PY" bench/kernels.py --quick --no-flex --budget-s 85 --out "$OUT/kernels.md"
 if [ $DRY = 1 ]; then
     part e2e 120 "$PY" bench/gpu_e2e.py --dry-run --out "$OUT"
 else
-    part e2e 170 "$PY" bench/gpu_e2e.py --out "$OUT"
+    part e2e 200 "$PY" bench/gpu_e2e.py --out "$OUT"
 fi
 echo "done: $OUT" | tee -a "$SUMMARY"

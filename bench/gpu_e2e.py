@@ -1,10 +1,12 @@
 """End-to-end decode throughput on a GPU with random weights shaped like real checkpoints.
 
 For each shape (Llama-3.2-1B, Llama-3-8B) and batch size, the offline engine generates a fixed
-number of tokens per request with CUDA graphs and with --enforce-eager, and reports tok/s, the
-mean decode step, its split into the model forward (synchronised) and everything else on the host
-(scheduling, sampling, detokenising), and for decode the memory-bound limit: the weights plus the
-K/V read once per step at the H200's 4.3 TB/s.
+number of tokens per request in three modes: CUDA graphs with async output processing (the
+worker's default), the same with --async-output off (sync), and --enforce-eager. It reports tok/s,
+the mean decode step (wall time per engine.step), the model forward's GPU time (CUDA events, so
+nothing waits that the worker would not), the rest ("host": the GPU idle per step, which async
+output should shrink), and for decode the memory-bound limit: the weights plus the K/V read once
+per step at the H200's 4.3 TB/s.
 
 Weights are random (normal, std 0.02) and initialised on the device, so nothing large is written
 to disk; config.json carries the real shapes, the tokenizer is the tiny test one (generated ids
@@ -20,6 +22,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,15 +84,23 @@ def run_case(llm, batch: int, prompt_len: int, gen_len: int) -> dict:
     """Generate gen_len tokens for `batch` requests; time each engine step and its forward."""
     from gpu_worker.sampling_params import SamplingParams
     engine, runner = llm.engine, llm.engine.runner
-    forwards: list[tuple[float, bool]] = []   # (seconds, pure decode?)
+    # (seconds or a pair of CUDA events, pure decode?). Events, not a synchronize: waiting here
+    # would undo the overlap of async output processing that the step times are to show.
+    forwards: list[tuple[Any, bool]] = []
     real_run_model = runner.run_model
 
     def timed_run_model(ids, pos, meta, logits_indices):
-        t = time.perf_counter()
+        decode = ids.numel() == meta.seq_lens.numel()
+        if not ids.is_cuda:
+            t = time.perf_counter()
+            out = real_run_model(ids, pos, meta, logits_indices)
+            forwards.append((time.perf_counter() - t, decode))
+            return out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         out = real_run_model(ids, pos, meta, logits_indices)
-        if out.is_cuda:
-            torch.cuda.synchronize()
-        forwards.append((time.perf_counter() - t, ids.numel() == meta.seq_lens.numel()))
+        end.record()
+        forwards.append(((start, end), decode))
         return out
 
     runner.run_model = timed_run_model
@@ -108,6 +119,9 @@ def run_case(llm, batch: int, prompt_len: int, gen_len: int) -> dict:
         wall = time.perf_counter() - start
     finally:
         runner.run_model = real_run_model
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    steps = [(s, f if isinstance(f, float) else f[0].elapsed_time(f[1]) / 1e3, d) for s, f, d in steps]
     dec = [s for s in steps if s[2]] or steps
     step_ms = 1e3 * sum(s[0] for s in dec) / len(dec)
     fwd_ms = 1e3 * sum(s[1] for s in dec) / len(dec)
@@ -126,7 +140,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=64)
-    ap.add_argument("--modes", nargs="+", default=["graphs", "eager"], choices=["graphs", "eager"])
+    # graphs: CUDA graphs with async output processing (the default worker); sync: the same with
+    # --async-output off; eager: no graphs.
+    ap.add_argument("--modes", nargs="+", default=["graphs", "sync", "eager"], choices=["graphs", "sync", "eager"])
     ap.add_argument("--out", required=True, help="directory for e2e.jsonl and e2e.md")
     ap.add_argument("--dry-run", action="store_true", help="tiny shape, batches 1 and 3, on the CPU")
     args = ap.parse_args(argv)
@@ -146,6 +162,7 @@ def main(argv=None) -> int:
                 llm = LLM(ckpt, device=device, dtype="float32" if args.dry_run else "bfloat16",
                           max_num_seqs=max(args.batches), max_model_len=args.prompt_len + args.gen_len + 16,
                           gpu_memory_utilization=0.85, enforce_eager=mode == "eager",
+                          async_output="off" if mode == "sync" else "auto",
                           num_kv_blocks=64 if args.dry_run else None)
                 weights = param_bytes(llm.engine.runner.model)
                 for batch in args.batches:

@@ -17,9 +17,9 @@ def test_dry_run_plans_every_part_and_runs_the_harness(tmp_path):
         assert f"== {part}" in summary
     assert "e2e: rc=0" in summary, summary
     table = (tmp_path / "e2e.md").read_text()
-    assert "| tiny | graphs | 3 |" in table and "| tiny | eager | 1 |" in table
+    assert all(f"| tiny | {mode} | {b} |" in table for mode in ("graphs", "sync", "eager") for b in (1, 3))
     lines = (tmp_path / "e2e.jsonl").read_text().splitlines()
-    assert len(lines) == 4
+    assert len(lines) == 6
 
 
 def test_vendor_gathers_the_packages_the_gpu_host_lacks(tmp_path):
