@@ -29,11 +29,12 @@ import tracemalloc
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from protos.block_hash import block_hashes, namespace_root  # noqa: E402
+from protos.heap import freeze_heap  # noqa: E402
 from protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
 from protos.redis_schema import Lease  # noqa: E402
 from router.index import BlockIndex  # noqa: E402
 from router.scoring import Scorer, WorkerState  # noqa: E402
-from router.server import RouterService, freeze_heap  # noqa: E402
+from router.server import RouterService  # noqa: E402
 
 MODEL, BLOCK = "scale-model", 16
 

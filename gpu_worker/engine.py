@@ -5,8 +5,6 @@ Both the offline LLM and the asyncio AsyncLLM drive one of these; it is not thre
 """
 from __future__ import annotations
 
-import atexit
-import gc
 import itertools
 import logging
 import time
@@ -22,6 +20,7 @@ from gpu_worker.request import Request, RequestStatus
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.scheduler import Scheduler
 from protos.block_hash import namespace_root
+from protos.heap import freeze_heap
 
 if TYPE_CHECKING:
     from gpu_worker.model_runner import InFlight
@@ -30,18 +29,6 @@ logger = logging.getLogger(__name__)
 
 # Every engine ever built, so tests can check that none leaks blocks.
 live_engines: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
-
-
-def freeze_heap() -> None:
-    """Move every object alive now (torch, transformers, the model, the tokenizer) out of the
-    cyclic collector's sight. A step makes hundreds of short-lived objects, so full collections
-    come often, and each one walked the whole import heap: about 1.3 ms per step on average at
-    256 sequences (bench/overhead.py). Unfrozen at exit, so that extension types are torn down."""
-    gc.collect()
-    gc.freeze()
-    if not getattr(freeze_heap, "registered", False):
-        atexit.register(gc.unfreeze)
-        freeze_heap.registered = True  # type: ignore[attr-defined]
 
 
 class LLMEngine:

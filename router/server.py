@@ -15,8 +15,6 @@ work, and with --api-keys-file each tenant gets its own cache salt and request-i
 from __future__ import annotations
 
 import asyncio
-import atexit
-import gc
 import logging
 import signal
 import sys
@@ -32,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import serving
 from protos.block_hash import namespace_root
+from protos.heap import freeze_heap
 from protos.limits import Limits, check_fits, check_request
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
@@ -401,18 +400,6 @@ def _caller_field(message: str, field: str) -> str:
     """A worker names token_ids (all it was sent); the caller sent `field`."""
     return field + message[len("token_ids"):] if message.startswith("token_ids:") and field != "token_ids" \
         else message
-
-
-def freeze_heap() -> None:
-    """Move every object alive now out of the cyclic collector's sight: the imports, and the
-    index's ordered dict of block hashes, which a full collection would otherwise walk entry by
-    entry (tens of milliseconds at a million blocks; bench/routing_scale.py). Called once the
-    router is built; unfrozen at exit so that extension types are torn down in order."""
-    gc.collect()
-    gc.freeze()
-    if not getattr(freeze_heap, "registered", False):
-        atexit.register(gc.unfreeze)
-        freeze_heap.registered = True  # type: ignore[attr-defined]
 
 
 class Router:

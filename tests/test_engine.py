@@ -317,3 +317,18 @@ def test_priority_policy_serves_lower_value_first(tiny_llm_factory):
     assert finished == ["urgent", "normal", "late"]
     with pytest.raises(ValueError, match="priority"):
         engine.add_request("x", [5], sp, priority="high")
+
+
+def test_engine_freezes_its_heap_out_of_the_cyclic_gc(tiny_model):
+    """A step's short-lived objects trigger full collections; the engine's long-lived heap (model,
+    tokenizer, imports) is frozen once built so that those collections do not walk it."""
+    import gc
+
+    from gpu_worker.llm import LLM
+    gc.unfreeze()
+    llm = LLM(tiny_model, device="cpu", num_kv_blocks=16)
+    try:
+        assert gc.get_freeze_count() > 0
+        assert not any(o is llm.engine.runner.model for o in gc.get_objects())
+    finally:
+        gc.unfreeze()

@@ -105,7 +105,7 @@ def test_the_index_stays_out_of_the_cyclic_collectors_walk():
     idx.speculate("a", h, now=0.0)
     # Per-worker hashes and speculation: a dict of bytes, which CPython does not track (a set it does).
     assert idx.speculative_blocks("a") == 4 and not gc.is_tracked(idx._by_worker["a"])
-    from router.server import freeze_heap
+    from protos.heap import freeze_heap
     freeze_heap()                             # the router does this once built: the ordered dict too
     try:
         assert gc.get_freeze_count() > 0 and not any(o is idx._owners for o in gc.get_objects())
