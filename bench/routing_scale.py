@@ -3,13 +3,15 @@ cached blocks in its index, no Redis and no simulated GPUs.
 
     python bench/routing_scale.py [--workers 32,256,1000] [--blocks 1000000] [--decisions 3000]
 
-Per cluster size: a BlockIndex holding --blocks block hashes (shared prefixes that requests
-reuse, each cached on one to three workers, plus unrelated blocks filling the index to its
-bound), and one WorkerState per worker with a lease of random load and speed. A decision is
-what the router's Generate does before it opens the upstream stream: hash the prompt's blocks,
-rank every live worker (RouterService.rank), credit the winner and record its prefix
-speculatively (the index stays at its bound, so every decision also evicts). Leases are renewed
-every 100 decisions, outside the timing, as heartbeats would.
+Per cluster size: a BlockIndex holding --blocks block hashes (unrelated blocks, then shared
+prefixes, a tenth of the blocks, each cached on one to three workers and the most recently
+used), and one WorkerState per worker with a lease of random load and speed. Each decision's
+prompt is a shared prefix plus fresh tokens. A decision is what the router's Generate does
+before it opens the upstream stream: RouterService.rank (hash the prompt's blocks, walk the
+index, rank every live worker), then RouterService.claim (credit the winner, record its prefix
+speculatively; the index stays at its bound, so every decision also evicts). Leases are renewed
+every 100 decisions, outside the timing, as heartbeats would. The heap is frozen as Router.start
+freezes it, and the bench's own token lists are kept out of the collector's walk.
 
 Figures: decision p50/p99 as this thread's CPU time and as wall time; decisions/s = 1 / mean
 CPU time (one core); the index's memory per million blocks (tracemalloc, while filling it).
