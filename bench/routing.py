@@ -34,7 +34,7 @@ import redis
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.sim.bus import MODEL, RedisBus  # noqa: E402
-from bench.sim.policies import OraclePolicy, RouterPolicy  # noqa: E402
+from bench.sim.policies import OraclePolicy, RouterPolicy, TokenCostPolicy  # noqa: E402
 from bench.sim.simulate import Result, SimConfig, Simulation  # noqa: E402
 from bench.sim.worker import CostModel, SimWorker  # noqa: E402
 from bench.sim.workloads import WORKLOADS, make_workload  # noqa: E402
@@ -42,12 +42,15 @@ from clients.up import find_redis_server, free_port, redis_command, wait_redis  
 from protos.block_hash import namespace_root  # noqa: E402
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "oracle")
+# Not run by default: v1's cost (before issue 16), for comparing the two on today's simulator.
+EXTRA_POLICIES = ("v1_tokens",)
 # What each policy minimises (router/scoring.py spells out load, excess and prefill()).
 FORMULAS = {
     "round_robin": "next worker in turn",
     "least_loaded": "load + excess + prefill(P), from leases, load events and in-flight credits",
     "prefix_aware": "load + excess + prefill(P - C), C = cached prefix in the router's index",
     "oracle": "prefix_aware's cost on every worker's exact cache, load and speed, undelayed",
+    "v1_tokens": "v1 (token units): P - C + queued prefill + 4 * (running + waiting + in flight) + kv_penalty",
 }
 
 
@@ -116,6 +119,7 @@ def run_one(a, redis_url: str, loop, workload: str, num_workers: int, policy: st
                for _ in range(num_workers)]
     bus = RedisBus(redis_url, num_workers, workers, loop, cfg.heartbeat_s, cfg.snapshot_s)
     pol = (OraclePolicy(workers, a.seed, cfg.block_size) if policy == "oracle"
+           else TokenCostPolicy(redis_url, loop, a.seed) if policy == "v1_tokens"
            else RouterPolicy(policy, redis_url, loop, a.seed))
     try:
         sim = Simulation(firsts, workers, pol, bus, cfg, root)
@@ -183,7 +187,7 @@ def plot(results: list[Result], out_dir: str) -> list[str]:
                             any(x.hit_rate for x in results if x.workload == r.workload)}, key=WORKLOADS.index)
         fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.4), squeeze=False)
         for ax, wl in zip(axes[0], workloads):
-            for pol in POLICIES:
+            for pol in POLICIES + EXTRA_POLICIES:
                 pts = sorted((r.workers, getattr(r, metric)) for r in results if r.workload == wl and r.policy == pol)
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=pol)
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.requests_per_worker is None:
         a.requests_per_worker = 20 if a.quick else 150
     workloads = _names(a.workloads, WORKLOADS, "workloads")
-    policies = _names(a.policies, POLICIES, "policies")
+    policies = _names(a.policies, POLICIES + EXTRA_POLICIES, "policies")
     if a.requests_per_worker < 1 or any(n < 1 for n in sizes):
         raise SystemExit("requests-per-worker and workers: must be at least 1")
     print(f"# routing simulator: {' '.join(sys.argv)}")

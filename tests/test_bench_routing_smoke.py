@@ -75,3 +75,23 @@ def test_router_index_mirrors_simulated_caches_through_redis(redis_server):
         policy.close()
         bus.close()
         loop.close()
+
+
+def test_v1_token_cost_policy_runs_on_the_router_view_for_comparison(redis_server):
+    from bench.sim.policies import TokenCostPolicy
+    cfg, cost, root = SimConfig(num_blocks=512), CostModel(), namespace_root(MODEL)
+    firsts = make_workload("shared_prompts", 2, 40, seed=4, rate_fn=lambda p, o: 2 / cost.request_cost(p, o))
+    workers = [SimWorker(cfg.num_blocks, cfg.block_size, root, cost) for _ in range(2)]
+    loop = asyncio.new_event_loop()
+    bus = RedisBus(redis_server.url, 2, workers, loop, cfg.heartbeat_s, cfg.snapshot_s)
+    policy = TokenCostPolicy(redis_server.url, loop, seed=0)
+    try:
+        sim = Simulation(firsts, workers, policy, bus, cfg, root)
+        sim.run()
+        result = sim.result("v1_tokens", "shared_prompts")
+        assert result.requests == 40 and result.hit_rate > 0 and result.decision_cpu_p50_us > 0
+        assert {r.worker for r in sim.done} == {0, 1}
+    finally:
+        policy.close()
+        bus.close()
+        loop.close()

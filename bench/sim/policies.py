@@ -20,11 +20,12 @@ import time
 import redis.asyncio as aioredis
 
 from protos import redis_schema as rs
+from protos.block_hash import namespace_root
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from router.cluster import Cluster
 from router.index import BlockIndex
 from router.metrics import RouterMetrics
-from router.scoring import Scorer, WorkerState
+from router.scoring import KV_KNEE, KV_PENALTY_TOKENS, Choice, Scorer, WorkerState
 from router.server import RouterService
 
 from .bus import MODEL
@@ -76,6 +77,42 @@ class RouterPolicy:
 
     def close(self) -> None:
         self.loop.run_until_complete(self.cluster._redis.aclose())
+
+
+class TokenCostPolicy(RouterPolicy):
+    """v1's cost (before issue 16), on the same router view, for comparison: in prompt tokens,
+    P - C + queued prefill (reported + in-flight credits) + 4 per running, waiting or in-flight
+    request + the KV penalty; lowest wins, ties at random. Hashing, index and claim are the
+    router's own."""
+    DECODE_WEIGHT = 4
+
+    def __init__(self, redis_url: str, loop: asyncio.AbstractEventLoop, seed: int):
+        super().__init__("prefix_aware", redis_url, loop, seed)
+        self.name = "v1_tokens"
+        self.rng = random.Random(seed)
+        self._root = namespace_root(MODEL)
+
+    def choose(self, req, now: float) -> tuple[int, int, int]:
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        model, workers = self.service.candidates(MODEL)
+        block = workers[0].lease.block_size
+        hashes = self.service.hasher.hashes(req.prompt, block, self._root)
+        overlap = self.index.overlap(hashes)
+        best = None
+        for w in workers:
+            ls = w.lease
+            cached = min(overlap.get(w.id, 0) * block, max(len(req.prompt) - 1, 0))
+            cost = (len(req.prompt) - cached + ls.queued_prefill_tokens + w.credit_prefill
+                    + self.DECODE_WEIGHT * (ls.running + ls.waiting + len(w.credits)))
+            if ls.kv_usage > KV_KNEE:
+                cost += KV_PENALTY_TOKENS * ((ls.kv_usage - KV_KNEE) / (1 - KV_KNEE)) ** 2
+            key = (cost, self.rng.random())
+            if best is None or key < best[0]:
+                best = (key, Choice(w, cost, cached))
+        assert best is not None
+        self.service.claim(best[1], req.rid, len(req.prompt), hashes, now, now)
+        wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+        return int(best[1].worker.id.rsplit("-", 1)[1]), wall, cpu
 
 
 class OraclePolicy:
