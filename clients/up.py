@@ -98,7 +98,8 @@ def default_model(cache_dir: Path) -> str:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=cache_dir))
     print(f"pagoda up: building the tiny model in {target} (once)", flush=True)
-    subprocess.run([sys.executable, "-m", "gpu_worker.tiny_model", str(tmp / "m")], check=True)
+    subprocess.run([sys.executable, "-m", "gpu_worker.tiny_model", str(tmp / "m")], check=True,
+                   stdout=subprocess.DEVNULL)   # it prints the path, which is not where the model ends up
     try:
         os.rename(tmp / "m", target)
     except OSError:                      # another `pagoda up` won the race
