@@ -249,7 +249,7 @@ class Scorer:
         n = len(workers)
         o = min(self.output_tokens, max_output) if max_output else self.output_tokens
         load = f.base + o * f.per_output
-        mean = float(load.mean())
+        mean = float(load.sum()) / n        # load.mean(), without its Python-level wrapper
         excess = np.maximum(load - np.maximum(self.balance * mean, mean + f.full_step), 0.0)
         uncached = np.full(n, float(prompt_len))
         cached: dict[int, int] = {}

@@ -94,6 +94,7 @@ class RouterService(pb_grpc.GenerationServicer):
         self.worker_metadata = (("authorization", f"Bearer {worker_key}"),) if worker_key else None
         self.breaker = CircuitBreaker()
         self.hasher = PromptHasher()
+        self._roots: dict[tuple[str, str, str], bytes] = {}     # namespace -> protos.block_hash root
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.GenerationStub]] = {}
         self._pins: dict[str, _Pin] = {}
         self._pin_locks: dict[str, asyncio.Lock] = {}
@@ -296,7 +297,12 @@ class RouterService(pb_grpc.GenerationServicer):
 
     def rank(self, model, workers, request, token_ids):
         """The routing decision, with no I/O: candidates best first, and the prompt's block hashes."""
-        root = namespace_root(model, request.adapter, request.cache_salt)
+        names = (model, request.adapter, request.cache_salt)
+        root = self._roots.get(names)
+        if root is None:            # a BLAKE2b and its keyword parsing, once per namespace
+            if len(self._roots) >= 4096:
+                self._roots.clear()
+            root = self._roots[names] = namespace_root(*names)
         hashes = self.hasher.hashes(token_ids, workers[0].lease.block_size, root)
         shut = self.breaker.open_workers()
         allowed = ([w for w in workers if w.id not in shut] or workers) if shut else workers

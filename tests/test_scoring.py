@@ -209,3 +209,18 @@ def test_claim_credits_the_choice_and_speculates_past_what_it_holds():
     assert idx.overlap(h) == {"a": 4} and {x for x, t in idx._by_worker["a"].items() if t is not None} == set(h[2:])
     idx.expire_speculation(now=105.0)                       # the reported blocks are not speculative
     assert idx.overlap(h) == {"a": 2}
+
+
+def test_rank_hashes_each_namespace_with_its_own_root_however_many_it_has_seen():
+    from types import SimpleNamespace
+
+    from protos.pagoda.v1 import pagoda_pb2 as pb
+    from router.server import RouterService
+    service = RouterService(SimpleNamespace(on_worker_gone=None), scorer(), None)  # type: ignore[arg-type]
+    ids, workers = list(range(40)), [worker("a")]
+    for salt in ["", "t2", "", "t3"] + [f"s{i}" for i in range(4100)] + ["t2"]:
+        for adapter in ("", "lora"):
+            request = pb.GenerateRequest(adapter=adapter, cache_salt=salt)
+            _, hashes = service.rank("m", workers, request, ids)
+            assert list(hashes) == block_hashes(ids, 16, namespace_root("m", adapter, salt))
+    assert len(service._roots) <= 4096                      # the root cache is bounded
