@@ -54,48 +54,52 @@ class PromptHasher:
         head = struct.pack("<I", block_size) + root
         # protos.block_hash's bytes (each id a little-endian uint32), packed by array: no
         # argument tuple of every id as struct.pack takes (a tenth of a decision's hashing).
-        body = array("I", token_ids)
+        body = array("I")
+        body.fromlist(token_ids if isinstance(token_ids, list) else list(token_ids))   # faster than array(..., ids)
         del body[n * block_size:]
         if _SWAP:
             body.byteswap()
         key = head + body
         step, start = 4 * block_size, len(head)
-        known, near = self._nearest(key, start, step)
+        known, near, at, where = self._nearest(key, start, step)
         if near is not None and known == n and len(near) == len(key):
             self._hashes.move_to_end(near)
             return self._hashes[near]
         out = list(self._hashes[near][:known]) if near is not None else []
         parent, new = (out[-1] if out else root), self._empty.copy
-        data = memoryview(key)
         for i in range(start + known * step, len(key), step):
             h = new()
             h.update(parent)
-            h.update(data[i:i + step])
+            h.update(key[i:i + step])       # a 64-byte copy costs less than a memoryview slice
             parent = h.digest()
             out.append(parent)
         self.reused_blocks += known
         self.hashed_blocks += n - known
         if near is not None and start + known * step == len(near):
-            self._forget(near)               # this prompt extends it: it says nothing more
+            # This prompt extends it: it says nothing more. Its place is known (no second search).
+            self._bytes -= _size(near, self._hashes.pop(near))
+            del self._sorted[at]
+            where -= at < where
         hashes = tuple(out)
-        self._remember(key, hashes)
+        self._remember(key, hashes, where)
         return hashes
 
-    def _nearest(self, key: bytes, start: int, step: int) -> tuple[int, bytes | None]:
-        """(leading blocks shared, the remembered key sharing them) for the best neighbour of `key`."""
+    def _nearest(self, key: bytes, start: int, step: int) -> tuple[int, bytes | None, int, int]:
+        """(leading blocks shared, the remembered key sharing them, its place in the sorted list,
+        the place `key` sorts at) for the best neighbour of `key`."""
         keys = self._sorted
         i = bisect.bisect_left(keys, key)
-        best, near = 0, None
+        best, near, at = 0, None, -1
         for j in (i, i - 1):
             if 0 <= j < len(keys):
                 other = keys[j]
                 shared = _shared_blocks(key, other, start, step)
                 if shared > best:
-                    best, near = shared, other
-        return best, near
+                    best, near, at = shared, other, j
+        return best, near, at, i
 
-    def _remember(self, key: bytes, hashes: tuple[bytes, ...]) -> None:
-        bisect.insort(self._sorted, key)
+    def _remember(self, key: bytes, hashes: tuple[bytes, ...], where: int) -> None:
+        self._sorted.insert(where, key)
         self._hashes[key] = hashes
         self._bytes += _size(key, hashes)
         while len(self._hashes) > self.max_prompts or self._bytes > self.max_bytes:

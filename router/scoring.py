@@ -262,7 +262,7 @@ class Scorer:
         cost = load + excess + uncached * f.per_token
         k = n if limit is None else min(limit, n)
         if k < n:       # the k cheapest, and everything tied with the k-th, go to the random tie-break
-            kth = cost[np.argpartition(cost, k - 1)[k - 1]]
+            kth = np.partition(cost, k - 1)[k - 1]
             pick = np.flatnonzero(cost <= kth)
         else:
             pick = np.arange(n)

@@ -26,6 +26,7 @@ def test_equals_the_contract_on_shared_prefixes_turns_namespaces_and_block_sizes
             prompt = prompt[:rng.randrange(len(prompt) + 1)]
         root, bs = rng.choice(roots), rng.choice((16, 16, 16, 4))
         assert hasher.hashes(prompt, bs, root) == tuple(block_hashes(prompt, bs, root)), step
+        assert hasher._sorted == sorted(hasher._hashes), step       # the search list stays in order
     assert hasher.reused_blocks > hasher.hashed_blocks // 3   # the reuse was exercised
     assert len(hasher) <= 50
 
