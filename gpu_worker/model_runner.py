@@ -31,6 +31,7 @@ from gpu_worker.outputs import ModelRunnerOutput, NewRequest, ScheduledRequest, 
 from gpu_worker.sampler import Sampled, Sampler
 from gpu_worker.warmup import WarmupStep, warmup_plan
 from kernels.fp8 import kv_cache_dtype
+from kernels.reference import new_kv_cache
 from protos.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -258,8 +259,8 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = []
         for layer in self.model.attention_layers():
-            k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            k = new_kv_cache(*shape, dtype=self.kv_dtype, device=self.device)
+            v = new_kv_cache(*shape, dtype=self.kv_dtype, device=self.device)
             layer.bind(k, v, self.write_fn, self.attend_fn)
             self.kv_caches.append((k, v))
 

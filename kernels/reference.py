@@ -2,7 +2,11 @@
 kernels are tested against.
 
 Layout shared by every backend:
-  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], one pair per layer.
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], one pair per layer,
+  indexed through their strides. The pool is stored head-major (new_kv_cache: each block holds
+  one [block_size, head_dim] run per KV head), so that gathering a sequence's blocks yields
+  [Hkv, L, D] directly: SDPA on a CPU is about three times slower on the transposed view that a
+  token-major pool gives. Every function here and in the Triton kernels takes any strides.
   slot_mapping[t] = block_id * block_size + offset for new token t, or -1 to skip it.
   A step is a flat batch of T query tokens from S sequences; sequence s owns query rows
   query_start_loc[s]:query_start_loc[s+1], has seq_lens[s] tokens of context including
@@ -24,6 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+
+
+def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed pool of the shared logical shape, stored head-major (see the layout above)."""
+    store = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+    return store.permute(0, 2, 1, 3)
 
 
 def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -118,21 +129,34 @@ def _dense_attention(q, k, v, mask, scale, softcap, sinks):
 _scratch = threading.local()
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
-    """cache[block_ids] as [n, block_size * Hkv * D], written into a buffer kept per thread and
-    reused across steps. A fresh multi-megabyte tensor every step costs a page fault per 4 KiB
-    on a CPU (glibc maps large blocks anew), which made the gather 5x slower than the copy.
-    Rows of a 2-D view, too: index_select on the 4-D pool takes a slower path."""
-    rows = cache.view(cache.shape[0], -1)
+def _scratch_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of at least numel elements, kept per thread and reused across steps. A
+    fresh multi-megabyte tensor every step costs a page fault per 4 KiB on a CPU (glibc maps
+    large blocks anew), which made the gather 5x slower than the copy."""
     # A buffer made under inference_mode cannot be written outside it (tests call this bare).
-    key = (name, rows.device, rows.dtype, rows.shape[1], torch.is_inference_mode_enabled())
+    key = (name, device, dtype, torch.is_inference_mode_enabled())
     buf = getattr(_scratch, "buffers", {}).get(key)
-    if buf is None or buf.shape[0] < block_ids.numel():
-        buf = torch.empty(max(block_ids.numel(), 64), rows.shape[1], dtype=rows.dtype, device=rows.device)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1 << 16), dtype=dtype, device=device)
         _scratch.__dict__.setdefault("buffers", {})[key] = buf
-    out = buf[:block_ids.numel()]
-    torch.index_select(rows, 0, block_ids, out=out)
-    return out
+    return buf[:numel]
+
+
+def _gather_heads(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, name: str) -> torch.Tensor:
+    """The blocks block_ids (num_seqs rows of equal width) as fp32 [num_seqs, Hkv, L, D],
+    contiguous: on a head-major pool one index_select of (block, head) rows, nothing else."""
+    nb, block_size, num_kv_heads, head_dim = cache.shape
+    heads = cache.permute(0, 2, 1, 3)
+    if not heads.is_contiguous():   # a token-major pool (tests build any layout): one copy
+        heads = heads.contiguous()
+    rows = heads.view(nb * num_kv_heads, block_size * head_dim)
+    width = block_ids.numel() // num_seqs
+    ids = (block_ids.view(num_seqs, 1, width) * num_kv_heads
+           + torch.arange(num_kv_heads, device=cache.device).view(1, -1, 1)).view(-1)
+    out = _scratch_buffer(name, ids.numel() * rows.shape[1], rows.dtype, rows.device).view(ids.numel(), -1)
+    torch.index_select(rows, 0, ids, out=out)
+    out = out.view(num_seqs, num_kv_heads, width * block_size, head_dim)
+    return out if out.dtype == torch.float32 else out.float()
 
 
 # A bucket of decodes is padded to its longest member; a sequence joins the current bucket
@@ -172,9 +196,8 @@ def _decode_batched(q, k_cache, v_cache, block_tables, seqs, rows, lens, scale, 
         idx_t = torch.as_tensor(idx, device=dev)
         tables = block_tables.index_select(0, seqs_t[idx_t]).long()
         block_ids = torch.gather(tables, 1, torch.as_tensor(col, device=dev)).view(-1)
-        shape = (len(idx), width * block_size, num_kv_heads, head_dim)
-        k = _gather_blocks(k_cache, block_ids, "k").view(shape).transpose(1, 2).float()    # [Sb, Hkv, L, D]
-        v = _gather_blocks(v_cache, block_ids, "v").view(shape).transpose(1, 2).float()
+        k = _gather_heads(k_cache, block_ids, len(idx), "k")                            # [Sb, Hkv, L, D]
+        v = _gather_heads(v_cache, block_ids, len(idx), "v")
         qb = q.index_select(0, rows_t[idx_t]).float()                                   # [Sb, Hq, D]
         mask = torch.as_tensor(valid.reshape(len(idx), 1, 1, -1), device=dev)
         if softcap or sinks is not None:
@@ -207,7 +230,6 @@ def random_paged_batch(q_lens: list[int], seq_lens: list[int], num_q_heads: int,
     for s, n in enumerate(blocks):
         table[s, :n] = perm[used:used + n]
         used += n
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     starts = [0]
     for q in q_lens:
         starts.append(starts[-1] + q)
@@ -217,7 +239,10 @@ def random_paged_batch(q_lens: list[int], seq_lens: list[int], num_q_heads: int,
             return torch.randn(*size, dtype=dtype, device=device)
         return torch.randn(*size, generator=generator).to(dtype=dtype, device=device)
 
-    return dict(q=rand(starts[-1], num_q_heads, head_dim), k_cache=rand(*shape), v_cache=rand(*shape),
+    def pool():     # head-major storage, as new_kv_cache lays the engine's pool out
+        return rand(num_blocks, num_kv_heads, block_size, head_dim).permute(0, 2, 1, 3)
+
+    return dict(q=rand(starts[-1], num_q_heads, head_dim), k_cache=pool(), v_cache=pool(),
                 block_tables=table.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
                 query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
                 scale=head_dim ** -0.5)

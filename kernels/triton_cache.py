@@ -19,8 +19,8 @@ def _write_kv_kernel(key, value, k_cache, v_cache, slot_mapping,
                      stride_cb, stride_cs, stride_ch,
                      block_size, num_kv_heads, k_scale, v_scale,
                      HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr):
-    # One program per token moves all its heads: a token's K (or V) row is one contiguous
-    # Hkv * D run in the cache, so the store is a single coalesced burst.
+    # One program per token moves all its heads: Hkv runs of D elements, one per head (the
+    # pool is stored head-major, kernels/reference.py), each a contiguous store.
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot < 0:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import triton_attention
-from kernels.reference import paged_attention_ref, random_paged_batch, write_kv_cache_ref
+from kernels.reference import new_kv_cache, paged_attention_ref, random_paged_batch, write_kv_cache_ref
 from kernels.triton_attention import paged_attention_triton
 from kernels.triton_cache import write_kv_cache_triton
 
@@ -154,8 +154,10 @@ def run_cache_write(dtype, cache_dtype, bs, device):
     num_blocks = 5
     slots = torch.randperm(num_blocks * bs, generator=gen)[:num_tokens]
     slots[[0, 4, 10]] = -1
-    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=cache_dtype, device=device)
+    # The engine's pool is head-major (new_kv_cache); both kernels index through strides.
+    k_cache = new_kv_cache(num_blocks, bs, hkv, d, cache_dtype, device).fill_(float("nan"))
     v_cache = k_cache.clone()
+    assert k_cache.stride() == v_cache.stride() == (hkv * bs * d, d, bs * d, 1)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     slots = slots.to(device)
     write_kv_cache_ref(key, value, k_ref, v_ref, slots)

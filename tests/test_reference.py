@@ -72,3 +72,14 @@ def test_reference_features_match_float64(feature, q_lens, seq_lens):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     # The feature matters: plain attention differs.
     assert not torch.allclose(paged_attention_ref(**b).double(), expected, atol=1e-3)
+
+
+def test_reference_takes_any_pool_layout():
+    """The engine's pool is head-major (new_kv_cache); a token-major pool of the same logical
+    shape must give the same output (the decode gather copies it to head-major first)."""
+    b = random_paged_batch([1, 1, 5, 1], [3, 40, 21, 70], 8, 2, 32, 16, generator=torch.Generator().manual_seed(4))
+    assert b["k_cache"].permute(0, 2, 1, 3).is_contiguous()
+    token_major = {**b, "k_cache": b["k_cache"].contiguous(), "v_cache": b["v_cache"].contiguous()}
+    assert token_major["k_cache"].is_contiguous()
+    torch.testing.assert_close(paged_attention_ref(**token_major), paged_attention_ref(**b), rtol=0, atol=0)
+    torch.testing.assert_close(paged_attention_ref(**b).double(), dense_attention(b), rtol=1e-5, atol=1e-5)
