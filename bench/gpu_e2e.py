@@ -1,8 +1,8 @@
 """End-to-end decode throughput on a GPU with random weights shaped like real checkpoints.
 
 For each shape (Llama-3.2-1B, Llama-3-8B) and batch size, the offline engine generates a fixed
-number of tokens per request in three modes: CUDA graphs with async output processing (the
-worker's default), the same with --async-output off (sync), and --enforce-eager. It reports tok/s,
+number of tokens per request in three modes: CUDA graphs with async scheduling (the
+worker's default), the same with --async-scheduling off (sync), and --enforce-eager. It reports tok/s,
 the mean decode step (wall time per engine.step), the model forward's GPU time (CUDA events, so
 nothing waits that the worker would not), the rest ("host": the GPU idle per step, which async
 output should shrink), and for decode the memory-bound limit: the weights plus the K/V read once
@@ -85,7 +85,7 @@ def run_case(llm, batch: int, prompt_len: int, gen_len: int) -> dict:
     from gpu_worker.sampling_params import SamplingParams
     engine, runner = llm.engine, llm.engine.runner
     # (seconds or a pair of CUDA events, pure decode?). Events, not a synchronize: waiting here
-    # would undo the overlap of async output processing that the step times are to show.
+    # would undo the overlap of async scheduling that the step times are to show.
     forwards: list[tuple[Any, bool]] = []
     real_run_model = runner.run_model
 
@@ -140,8 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=64)
-    # graphs: CUDA graphs with async output processing (the default worker); sync: the same with
-    # --async-output off; eager: no graphs.
+    # graphs: CUDA graphs with async scheduling (the default worker); sync: the same with
+    # --async-scheduling off; eager: no graphs.
     ap.add_argument("--modes", nargs="+", default=["graphs", "sync", "eager"], choices=["graphs", "sync", "eager"])
     ap.add_argument("--out", required=True, help="directory for e2e.jsonl and e2e.md")
     ap.add_argument("--dry-run", action="store_true", help="tiny shape, batches 1 and 3, on the CPU")
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
                 llm = LLM(ckpt, device=device, dtype="float32" if args.dry_run else "bfloat16",
                           max_num_seqs=max(args.batches), max_model_len=args.prompt_len + args.gen_len + 16,
                           gpu_memory_utilization=0.85, enforce_eager=mode == "eager",
-                          async_output="off" if mode == "sync" else "auto",
+                          async_scheduling="off" if mode == "sync" else "auto",
                           num_kv_blocks=64 if args.dry_run else None)
                 weights = param_bytes(llm.engine.runner.model)
                 for batch in args.batches:

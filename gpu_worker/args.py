@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=_D["kv_cache_dtype"],
                    help="fp8: e4m3 K/V with per-tensor scales, half the memory of bf16")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=_D["scheduling_policy"])
-    p.add_argument("--async-output", choices=["auto", "on", "off"], default=_D["async_output"],
-                   help="work out a step's text and stop strings while the next step runs (auto: on with CUDA)")
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default=_D["async_scheduling"],
+                   help="schedule and launch the next step before this one's tokens are back, and work "
+                        "out its text while the next runs (auto: on with CUDA)")
     p.add_argument("--max-waiting", type=int, default=_D["max_waiting"],
                    help="requests queued beyond this are refused with RESOURCE_EXHAUSTED")
     p.add_argument("--redis-url", default=None, help="publish load and cached blocks here (password: REDIS_PASSWORD)")
@@ -98,4 +99,4 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
                 max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
                 tensor_parallel_size=args.tensor_parallel_size, model_impl=args.model_impl,
-                kv_cache_dtype=args.kv_cache_dtype, async_output=args.async_output)
+                kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling)

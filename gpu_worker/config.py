@@ -45,10 +45,11 @@ class EngineConfig:
     # auto: native where pagoda has the architecture, transformers' modeling code otherwise.
     model_impl: str = "auto"                    # auto | native | transformers
     kv_cache_dtype: str = "auto"                # auto (the model's) | fp8 (e4m3, for CUDA)
-    # Work out a step's text, stop strings and deltas while the next step runs (engine.step).
-    # auto: on with CUDA, where a launched step runs on its own; off on a CPU, where the forward
-    # runs in the engine's thread and there is nothing to overlap with.
-    async_output: str = "auto"                  # auto | on | off
+    # Schedule and launch step N+1 before step N's tokens are back, and work out N's text, stop
+    # strings and deltas while N+1 runs (engine.step). auto: on with CUDA, where a launched step
+    # runs on its own; off on a CPU, where the forward runs in the engine's thread and there is
+    # nothing to overlap with.
+    async_scheduling: str = "auto"              # auto | on | off
 
     def __post_init__(self):
         if self.served_model_name is None:
@@ -65,8 +66,8 @@ class EngineConfig:
             raise ValueError(f"model_impl: must be auto, native or transformers (got {self.model_impl!r})")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype: must be auto or fp8 (got {self.kv_cache_dtype!r})")
-        if self.async_output not in ("auto", "on", "off"):
-            raise ValueError(f"async_output: must be auto, on or off (got {self.async_output!r})")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"async_scheduling: must be auto, on or off (got {self.async_scheduling!r})")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be at least 1 (got {self.max_num_seqs})")
         if (not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool)

@@ -48,15 +48,15 @@ class LLMEngine:
         self.max_num_batched_tokens = config.token_budget(self.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, self.max_model_len)
         self.detokenizers: dict[str, Detokenizer] = {}
         self.children: dict[str, list[Request]] = {}    # caller id -> its live sequences
         self.pending: list[StreamDelta] = []            # abort notices for the next step
         self.generation_tokens = 0
         self.num_steps, self.step_seconds = 0, 0.0
         self.in_flight: tuple[SchedulerOutput, Optional[InFlight]] | None = None   # launched, not collected
-        self.async_output = config.async_output == "on" or (
-            config.async_output == "auto" and self.runner.device.type == "cuda")
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.runner.device.type == "cuda")
         self._serial = itertools.count()
         live_engines.add(self)
         freeze_heap()
@@ -146,39 +146,51 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self.pending) or self.in_flight is not None
 
     def step(self) -> list[StreamDelta]:
-        """One turn. With async_output, pipelined: collect the step in flight (its tokens; requests that a stop
-        token or their length ends leave the scheduler at once), schedule and launch the next
-        step, and only then turn the collected tokens into text and deltas. On CUDA the launch
-        returns before the GPU is done, so text, stop strings and deltas of step N are worked
-        out while step N+1 runs. A request that a stop string ends was already in step N+1:
-        its token from that step is dropped when it comes back. Without async_output, a step
-        is launched, collected and turned into deltas in the same turn."""
+        """One turn. With async scheduling, pipelined: step N+1 is scheduled and launched while
+        step N is still in flight (its sampled tokens are placeholders, fed in on the device),
+        then N is collected (its tokens; requests that a stop token or their length ends leave
+        the scheduler) and turned into text and deltas. On CUDA the launch returns before the
+        GPU is done, so the GPU goes from N to N+1 without waiting for the host. A request that
+        a stop token or a stop string ends at N was already in N+1: its token from N+1 is dropped
+        when it comes back. While a running request's sampling reads its tokens on the host
+        (penalties, a grammar), N is collected before N+1 is scheduled. Without async
+        scheduling, a step is launched, collected and turned into deltas in the same turn."""
         t0 = time.perf_counter()
         deltas, self.pending = self.pending, []
-        collected = self._collect()
+        prev, self.in_flight = self.in_flight, None
+        collected: list[tuple[Request, int]] = []
+        if prev is not None and not self._can_overlap():
+            collected, prev = self._collect(prev), None
         if self.scheduler.has_unfinished():
             out = self.scheduler.schedule()
             if out.scheduled:
                 self.in_flight = (out, self._guarded(self.runner.launch, out))
-                if not self.async_output:
-                    collected += self._collect()
             else:
                 # Nothing fits this step; the runner hears about departures next time.
                 self.scheduler.finished_req_ids |= out.finished_req_ids
+        if prev is not None:
+            collected = self._collect(prev)
+        if not self.async_scheduling and self.in_flight is not None:
+            collected += self._collect(self.in_flight)
+            self.in_flight = None
         deltas.extend([self._on_token(req, flags) for req, flags in collected])
         if self.in_flight is not None and not any(s.req_id in self.scheduler.requests
                                                   for s in self.in_flight[0].scheduled):
-            self._collect()     # every request in it has ended (stop strings): nothing to wait for
+            self._collect(self.in_flight)   # every request in it has ended: nothing to wait for
+            self.in_flight = None
         if collected or self.in_flight is not None:
             self.step_seconds += time.perf_counter() - t0
         return deltas
 
-    def _collect(self) -> list[tuple[Request, int]]:
-        """Tokens of the step in flight, with their finish flags (input_batch.STOP_TOKEN / LENGTH)."""
-        if self.in_flight is None:
-            return []
-        out, launched = self.in_flight
-        self.in_flight = None
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight returns: not while a
+        running request samples from its tokens on the host, nor under tensor parallelism
+        (every rank takes its inputs from rank 0's host)."""
+        return self.runner.tp is None and not any(r.needs_history for r in self.scheduler.running)
+
+    def _collect(self, step: tuple[SchedulerOutput, Optional[InFlight]]) -> list[tuple[Request, int]]:
+        """A launched step's tokens, with their finish flags (input_batch.STOP_TOKEN / LENGTH)."""
+        out, launched = step
         result: ModelRunnerOutput = self._guarded(self.runner.finish, launched)
         self.num_steps += 1
         advanced = self.scheduler.update_from_output(out, result)
@@ -228,7 +240,7 @@ class LLMEngine:
         return self._delta(req, [token], detok.take_delta(True), logprobs)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req.status == RequestStatus.RUNNING:
+        if req.req_id in self.scheduler.requests:   # running, or preempted since its step
             self.scheduler.finish_requests([req.req_id], status)
         else:       # already out of the scheduler (_collect); the final reason is decided here
             req.status = status

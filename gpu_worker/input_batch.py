@@ -5,7 +5,13 @@ parameters); rows [0, num_reqs) are in use, and a leaving request's row is fille
 last one, so the used rows stay a dense prefix. A step brings only what changed (new
 requests, new block ids, departures); the runner appends the tokens it samples itself.
 
-Step inputs are built with vectorised numpy into fixed staging buffers (pinned on CUDA)
+A sampled token takes its row's next place as soon as its step is launched, as a placeholder
+(mark_sampled), and lands when the step's tokens reach the host (fill_sampled). A step built
+meanwhile (async scheduling) reads that token from the device: prepare returns the pairs
+(input position, index in the previous draw) that the runner fills in before the forward.
+
+Step inputs are built with vectorised numpy into fixed staging buffers (pinned on CUDA, two
+sets used in turn, since a step is built while the previous one's copy may still be pending)
 and copied to the device once, into fixed device buffers of which a step uses a prefix:
 shapes that CUDA graphs can capture later.
 """
@@ -39,6 +45,9 @@ class StepInputs:
     logits_indices: torch.Tensor    # [B]: the token rows whose logits are sampled
     sample_rows: np.ndarray         # [B]: the batch rows that sample, in logits order
     req_ids: list[str]              # [B]: their request ids
+    # (positions in input_ids, indices into the previous step's draw) of tokens still in
+    # flight; None when every input token is known on the host.
+    in_flight: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 class InputBatch:
@@ -58,6 +67,10 @@ class InputBatch:
         self.num_prompt = np.zeros(r, np.int64)
         self.block_table = np.zeros((r, self.max_blocks), np.int32)
         self.num_blocks = np.zeros(r, np.int64)
+        # The row's newest placeholder: its index in the last launched draw (-1: none in
+        # flight) and its position.
+        self.pending_src = np.full(r, -1, np.int64)
+        self.pending_pos = np.zeros(r, np.int64)
         self.params = np.zeros((r, NUM_PARAMS), np.float32)
         self.min_tokens = np.zeros(r, np.int64)
         self.max_tokens = np.zeros(r, np.int64)
@@ -76,19 +89,29 @@ class InputBatch:
         def host(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, pin_memory=pin)
 
-        # One int64 staging area: ids | positions | slots | logits indices; one int32 area:
-        # query_start_loc | seq_lens | block table. Two copies per step.
-        self._i64_sizes = (max_tokens, max_tokens, max_tokens, r)
+        # One int64 staging area: ids | positions | slots | logits indices | in-flight
+        # positions | their draw indices; one int32 area: query_start_loc | seq_lens | block
+        # table. Two copies per step.
+        self._i64_sizes = (max_tokens, max_tokens, max_tokens, r, r, r)
         self._i32_sizes = (r + 1, r, r * mb)
-        self.host_i64 = host(sum(self._i64_sizes), torch.int64)
-        self.host_i32 = host(sum(self._i32_sizes), torch.int32)
-        self.host_params = host(r * NUM_PARAMS, torch.float32)
+        # On CUDA two host sets in turn: a step's pinned inputs must not change before its copy
+        # has run, and the next step is built while it may still be queued. On a CPU the
+        # staging buffers are the inputs themselves, and a step has run when launch returns.
+        self._stages = [tuple(host(n, dt) for n, dt in ((sum(self._i64_sizes), torch.int64),
+                                                         (sum(self._i32_sizes), torch.int32),
+                                                         (r * NUM_PARAMS, torch.float32)))
+                        for _ in range(2 if pin else 1)]
+        self._stage = 0
         if pin:
-            self.dev_i64 = torch.zeros_like(self.host_i64, device=self.device)
-            self.dev_i32 = torch.zeros_like(self.host_i32, device=self.device)
-            self.dev_params = torch.zeros_like(self.host_params, device=self.device)
-        else:
-            self.dev_i64, self.dev_i32, self.dev_params = self.host_i64, self.host_i32, self.host_params
+            self.dev_i64, self.dev_i32, self.dev_params = (torch.zeros_like(h, device=self.device)
+                                                           for h in self._stages[0])
+        self._use_stage(0)
+
+    def _use_stage(self, i: int) -> None:
+        self._stage = i
+        self.host_i64, self.host_i32, self.host_params = self._stages[i]
+        if self.device.type != "cuda":
+            self.dev_i64, self.dev_i32, self.dev_params = self._stages[i]
         self.np_i64, self.np_i32 = self.host_i64.numpy(), self.host_i32.numpy()
         self.np_params = self.host_params.numpy()
 
@@ -124,6 +147,7 @@ class InputBatch:
         nb = len(new.block_ids)
         self.block_table[row, :nb] = new.block_ids
         self.num_blocks[row] = nb
+        self.pending_src[row] = -1
         p = new.sampling_params
         if p is None:       # a profiling row: greedy, nothing else
             self.params[row] = (0.0, 1.0, self.vocab_size, 0.0, 1.0, 0.0, 0.0)
@@ -161,8 +185,9 @@ class InputBatch:
             self.token_ids[row, :n] = self.token_ids[last, :n]
             nb = int(self.num_blocks[last])
             self.block_table[row, :nb] = self.block_table[last, :nb]
-            for a in (self.num_tokens, self.num_computed, self.num_prompt, self.num_blocks,
-                      self.params, self.min_tokens, self.max_tokens, self.num_logprobs, self.stop_ids):
+            for a in (self.num_tokens, self.num_computed, self.num_prompt, self.num_blocks, self.pending_src,
+                      self.pending_pos, self.params, self.min_tokens, self.max_tokens, self.num_logprobs,
+                      self.stop_ids):
                 a[row] = a[last]
             for extra in extras:
                 if last in extra:
@@ -175,6 +200,8 @@ class InputBatch:
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         """Flatten a step (in the scheduler's order) into device tensors, with vectorised numpy."""
+        if len(self._stages) > 1:
+            self._use_stage(1 - self._stage)
         s = len(scheduled)
         rows = np.fromiter((self.row_of[x.req_id] for x in scheduled), np.int64, s)
         n = np.fromiter((x.num_tokens for x in scheduled), np.int64, s)
@@ -197,17 +224,26 @@ class InputBatch:
         b = len(sample_seq)
         mb = int(-(-seq_lens.max() // bs))
 
-        i64, (o_ids, o_pos, o_slot, o_lg) = self.np_i64, np.cumsum((0,) + self._i64_sizes[:-1])
+        # A row with a token in flight computes just that token (it sampled last step).
+        src = self.pending_src[rows]
+        waiting_for = np.flatnonzero(src >= 0)
+        f = len(waiting_for)
+        if f and ((n[waiting_for] != 1).any() or (start[waiting_for] != self.pending_pos[rows[waiting_for]]).any()):
+            raise ValueError("scheduled: a request with a token in flight must compute exactly that token")
+
+        i64, (o_ids, o_pos, o_slot, o_lg, o_fd, o_fs) = self.np_i64, np.cumsum((0,) + self._i64_sizes[:-1])
         i64[o_ids:o_ids + t] = self.token_ids[row_of_tok, pos]
         i64[o_pos:o_pos + t] = pos
         i64[o_slot:o_slot + t] = self.block_table[row_of_tok, pos // bs].astype(np.int64) * bs + pos % bs
         i64[o_lg:o_lg + b] = cu[sample_seq] - 1
+        i64[o_fd:o_fd + f] = cu[waiting_for] - 1
+        i64[o_fs:o_fs + f] = src[waiting_for]
         i32, (o_qsl, o_len, o_bt) = self.np_i32, np.cumsum((0,) + self._i32_sizes[:-1])
         i32[o_qsl] = 0
         i32[o_qsl + 1:o_qsl + 1 + s] = cu
         i32[o_len:o_len + s] = seq_lens
         i32[o_bt:o_bt + s * mb] = self.block_table[rows, :mb].reshape(-1)
-        d64, d32 = self._to_device(self.dev_i64, self.host_i64, o_lg + b), \
+        d64, d32 = self._to_device(self.dev_i64, self.host_i64, o_fs + f), \
             self._to_device(self.dev_i32, self.host_i32, o_bt + s * mb)
         # Advance progress now: this step's KV is written by the forward that follows.
         self.num_computed[rows] = seq_lens
@@ -216,24 +252,43 @@ class InputBatch:
                                  seq_lens=d32[o_len:o_len + s], query_start_loc=d32[o_qsl:o_qsl + s + 1],
                                  max_seq_len=int(seq_lens.max()))
         return StepInputs(d64[o_ids:o_ids + t], d64[o_pos:o_pos + t], meta, d64[o_lg:o_lg + b],
-                          rows[sample_seq], [scheduled[i].req_id for i in sample_seq])
+                          rows[sample_seq], [scheduled[i].req_id for i in sample_seq],
+                          (d64[o_fd:o_fd + f], d64[o_fs:o_fs + f]) if f else None)
 
     def _to_device(self, dev: torch.Tensor, host: torch.Tensor, n: int) -> torch.Tensor:
         if dev is not host:
             dev[:n].copy_(host[:n], non_blocking=True)
         return dev
 
-    def append_sampled(self, rows: np.ndarray, tokens: list[int]) -> np.ndarray:
-        """Append each row's sampled token; returns finish_flags per row (STOP_TOKEN, LENGTH),
-        the stop-token and length checks for the whole batch at once."""
-        sampled = np.asarray(tokens, dtype=np.int64)
-        self.token_ids[rows, self.num_tokens[rows]] = sampled
+    def mark_sampled(self, rows: np.ndarray) -> np.ndarray:
+        """A launched step's sampling rows (in draw order) each gain a placeholder token;
+        returns the placeholders' positions."""
+        positions = self.num_tokens[rows].copy()
+        self.pending_src[rows] = np.arange(len(rows))
+        self.pending_pos[rows] = positions
         self.num_tokens[rows] += 1
-        num_tokens = self.num_tokens[rows]
+        return positions
+
+    def fill_sampled(self, req_ids: list[str], positions: np.ndarray, tokens: list[int]) -> np.ndarray:
+        """A step's tokens land at their placeholders; returns finish_flags per token (STOP_TOKEN,
+        LENGTH), the stop-token and length checks for the whole batch at once. A request whose
+        row has left meanwhile (it ended) gets 0: its token is dropped."""
+        row_of = self.row_of
+        rows = np.fromiter((row_of.get(r, -1) for r in req_ids), np.int64, len(req_ids))
+        flags = np.zeros(len(req_ids), np.int64)
+        live = np.flatnonzero(rows >= 0)
+        if len(live) < len(rows):
+            rows, positions = rows[live], positions[live]
+        sampled = np.asarray(tokens, dtype=np.int64)[live]
+        self.token_ids[rows, positions] = sampled
+        landed = self.pending_pos[rows] == positions
+        self.pending_src[rows[landed]] = -1
+        num_tokens = positions + 1
         out_len = num_tokens - self.num_prompt[rows]
         hit = (self.stop_ids[rows] == sampled[:, None]).any(axis=1) & (out_len >= self.min_tokens[rows])
         long = (out_len >= self.max_tokens[rows]) | (num_tokens >= self.max_len)
-        return hit * STOP_TOKEN | long * LENGTH
+        flags[live] = hit * STOP_TOKEN | long * LENGTH
+        return flags
 
     # ---- sampling inputs ---------------------------------------------------------------------
 

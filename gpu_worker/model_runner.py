@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class InFlight:
-    """A launched step: its sampling rows, their request ids, and the draw on its way."""
-    sample_rows: np.ndarray
+    """A launched step: its sampling requests, their placeholders' positions, and the draw on
+    its way."""
     req_ids: list[str]
+    positions: np.ndarray
     sampled: Sampled
 
 
@@ -96,6 +97,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
+        self.last_draw: torch.Tensor | None = None     # token ids of the last launched step, on the device
         self.graphs: DecodeGraphs | None = None  # captured by warm_up on CUDA
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len,
                                 config.token_budget(self.max_model_len), self.block_size,
@@ -269,6 +271,13 @@ class ModelRunner:
     def _run_model(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, StepInputs]:
         """Build the step's inputs and run it: (logits of the sampling rows, the inputs)."""
         inputs = self.batch.prepare(scheduled)
+        if inputs.in_flight is not None:
+            # Tokens the previous step sampled, still on the device: filled in after that step
+            # in stream order (on CUDA nothing waits for it here).
+            if self.last_draw is None or self.tp is not None:
+                raise RuntimeError("a step with tokens in flight needs the previous draw on this rank")
+            dst, src = inputs.in_flight
+            inputs.input_ids[dst] = self.last_draw[src]
         args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
         if self.tp is None:
             return self.run_model(*args), inputs
@@ -316,16 +325,17 @@ class ModelRunner:
         logits, inputs = self._run_model(out.scheduled)
         if not inputs.req_ids:
             return None
-        return InFlight(inputs.sample_rows, inputs.req_ids,
-                        self.sampler.draw(logits, self.batch.sampling_batch(inputs.sample_rows)))
+        sampled = self.sampler.draw(logits, self.batch.sampling_batch(inputs.sample_rows))
+        self.last_draw = sampled.tokens
+        return InFlight(inputs.req_ids, self.batch.mark_sampled(inputs.sample_rows), sampled)
 
     def finish(self, step: Optional[InFlight]) -> ModelRunnerOutput:
-        """Wait for a launched step's tokens; append them to the batch and check, for all rows
-        at once, which end their requests."""
+        """Wait for a launched step's tokens; they land in the batch, and the stop-token and
+        length checks run for all of them at once."""
         if step is None:
             return ModelRunnerOutput(sampled_token_ids={})
         tokens, logprobs = self.sampler.to_host(step.sampled)
-        flags = self.batch.append_sampled(step.sample_rows, tokens)
+        flags = self.batch.fill_sampled(step.req_ids, step.positions, tokens)
         ends = np.flatnonzero(flags)
         result = ModelRunnerOutput(sampled_token_ids=dict(zip(step.req_ids, tokens)),
                                    finish_flags={step.req_ids[i]: int(flags[i]) for i in ends})

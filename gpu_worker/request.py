@@ -44,7 +44,11 @@ class Request:
         # must still order by arrival.
         self.arrival = next(_arrivals)
         self.status = RequestStatus.WAITING
+        # Advanced when a step is scheduled: tokens whose KV that step (or an earlier one) writes.
         self.num_computed_tokens = 0
+        # Tokens sampled by launched steps that have not come back yet (async scheduling: the
+        # next step is scheduled before this one's token is known, with the token in its place).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1             # set when first admitted
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenLogprobs] = []
@@ -74,6 +78,14 @@ class Request:
     @property
     def finish_reason(self) -> Optional[str]:
         return self.status.value if self.status.finished else None
+
+    @property
+    def needs_history(self) -> bool:
+        """Its sampling reads the tokens so far on the host (penalties, a grammar), so its next
+        step cannot be scheduled before this step's token is known."""
+        p = self.params
+        return (self.grammar is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -65,6 +65,7 @@ class Sampled:
     ready: Optional[Any]                      # torch.cuda.Event, None when already on the host
     num_logprobs: Optional[list[int]]
     k: int
+    tokens: torch.Tensor                      # int64 [B] on the device: the next step's inputs
 
 
 class Sampler:
@@ -84,12 +85,12 @@ class Sampler:
         tokens = self.sample(logits, batch)
         packed, k = self._pack(tokens, raw, batch)
         if packed.device.type != "cuda":
-            return Sampled(packed, None, batch.num_logprobs, k)
+            return Sampled(packed, None, batch.num_logprobs, k, tokens)
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return Sampled(host, ready, batch.num_logprobs, k)
+        return Sampled(host, ready, batch.num_logprobs, k, tokens)
 
     @staticmethod
     def process(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

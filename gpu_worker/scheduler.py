@@ -6,6 +6,11 @@ request is preempted by recompute: its blocks are freed and it goes back to the 
 the queue (its full blocks usually stay in the prefix cache, so recompute is cheap). Under
 the priority policy a waiting request that finds no blocks or sequence slot preempts running
 requests of lower priority, lowest first.
+
+A step may be scheduled while the previous one is still running (async scheduling): a request
+whose token is in flight counts it as a placeholder (the runner feeds the sampled token in on
+the device), is not scheduled again if that token must end it by length, and keeps its runner
+row until the token comes back, even when preempted, so that the token's stop checks still run.
 """
 from __future__ import annotations
 
@@ -57,8 +62,9 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs"):
+                 policy: str = "fcfs", max_model_len: int | None = None):
         self.kv = kv
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
@@ -88,7 +94,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
+            if n < 1 or self._ends_in_flight(req):
+                i += 1
+                continue
             while self.kv.allocate_slots(req, n) is None:
                 victim = self._pick_victim()
                 budget += chunks.pop(victim.req_id, 0)
@@ -110,6 +119,8 @@ class Scheduler:
     def _admit(self, budget: int, chunks: dict[str, int]) -> int:
         while len(self.waiting) and budget > 0:
             req = self.waiting.peek()
+            if req.num_output_placeholders:
+                break   # preempted with its token still in flight: back once it has landed
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             if len(self.running) >= self.max_num_seqs or self.kv.allocate_slots(req, n, hits) is None:
@@ -132,6 +143,15 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _ends_in_flight(self, req: Request) -> bool:
+        """The token in flight reaches max_tokens or max_model_len (input_batch's LENGTH check):
+        a further step would compute past the request's end."""
+        if not req.num_output_placeholders:
+            return False
+        after = req.num_output_placeholders
+        return (req.num_output_tokens + after >= req.params.max_tokens
+                or (self.max_model_len is not None and req.num_tokens + after >= self.max_model_len))
+
     def _worse_running(self, req: Request):
         """The running request of strictly lower priority than req (the lowest), if any."""
         if self.policy != "priority" or not self.running:
@@ -151,7 +171,8 @@ class Scheduler:
         req.num_computed_tokens = 0
         self.num_preemptions += 1
         self.blocks_sent.pop(req.req_id, None)
-        self.finished_req_ids.add(req.req_id)
+        if not req.num_output_placeholders:     # else when its token lands (update_from_output)
+            self.finished_req_ids.add(req.req_id)
         self.waiting.add(req, front=True)
 
     def _output(self, chunks: dict[str, int]) -> SchedulerOutput:
@@ -168,26 +189,37 @@ class Scheduler:
                                       req.grammar))
                 sent = len(blocks)
             added = [b.block_id for b in blocks[sent:]] if len(blocks) > sent else []
-            scheduled.append(ScheduledRequest(req_id, n, start, start + n == req.num_tokens, added))
+            sample = start + n == req.num_tokens + req.num_output_placeholders
+            scheduled.append(ScheduledRequest(req_id, n, start, sample, added))
             self.blocks_sent[req_id] = len(blocks)
+            # Progress counts from now: the next step may be scheduled before this one returns.
+            req.num_computed_tokens = start + n
+            req.num_output_placeholders += sample
         out = SchedulerOutput(scheduled=scheduled, new=new, finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         return out
 
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Advance progress; return the requests that got a new token, in batch order."""
+        """A step's tokens take their placeholders' places; returns the requests that got one, in
+        batch order. A request preempted meanwhile keeps its token (recompute includes it); one
+        that ended meanwhile (stop string, abort) drops it."""
         advanced = []
         for s in out.scheduled:
-            req = self.requests.get(s.req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if not s.sample:
                 continue
-            req.num_computed_tokens += s.num_tokens
+            req = self.requests.get(s.req_id)
+            if req is None:
+                continue
+            req.num_output_placeholders -= 1
             token = result.sampled_token_ids.get(s.req_id)
-            if s.sample and token is not None:
-                req.append_output_token(token)
-                if s.req_id in result.logprobs and req.params.logprobs is not None:
-                    req.logprobs.append(result.logprobs[s.req_id])
-                advanced.append(req)
+            if token is None:
+                continue
+            req.append_output_token(token)
+            if s.req_id in result.logprobs and req.params.logprobs is not None:
+                req.logprobs.append(result.logprobs[s.req_id])
+            if req.status == RequestStatus.PREEMPTED and not req.num_output_placeholders:
+                self.finished_req_ids.add(req.req_id)   # its runner row can go now
+            advanced.append(req)
         return advanced
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:

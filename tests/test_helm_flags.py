@@ -97,7 +97,7 @@ def test_values_map_one_to_one_onto_flags():
         "worker": {"kv_cache_memory": w["kvCacheMemory"], "num_kv_blocks": w["numKvBlocks"],
                    "max_num_batched_tokens": w["maxNumBatchedTokens"], "max_model_len": w["maxModelLen"],
                    "max_waiting": w["maxWaiting"], "heartbeat_interval": w["heartbeatInterval"],
-                   "snapshot_interval": w["snapshotInterval"], "scheduling_policy": "priority", "async_output": "on",
+                   "snapshot_interval": w["snapshotInterval"], "scheduling_policy": "priority", "async_scheduling": "on",
                    "metrics_prefix": "vllm", "model_impl": "transformers", "revision": "v1.2",
                    "dtype": "bfloat16", "block_size": 32, "no_prefix_caching": True, "enforce_eager": True, "port": 50051,
                    "redis_url": "redis://rel-pagoda-redis:6379/0", "gpu_memory_utilization": 0.9,

@@ -249,3 +249,65 @@ def test_output_carries_only_what_changed():
     s.finish_requests(["a"], RequestStatus.FINISHED_STOPPED)
     out = run_step(s)
     assert out.finished_req_ids == {"a"} and [x.req_id for x in out.scheduled] == ["b"]
+
+
+# ---- async scheduling: a step scheduled while the previous one's tokens are in flight ----
+
+def land(s, out, token=7):
+    """The tokens of a step scheduled earlier come back."""
+    sampled = {x.req_id: token for x in out.scheduled if x.sample}
+    return s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+
+
+def test_token_in_flight_is_a_placeholder_for_the_next_step():
+    s = make()
+    s.add_request(req("a", 6))
+    first = s.schedule()
+    assert chunks(first) == [("a", 6, 0, True)]
+    a = s.requests["a"]
+    assert (a.num_computed_tokens, a.num_output_placeholders) == (6, 1)
+    second = s.schedule()               # before the first step's token is back
+    assert chunks(second) == [("a", 1, 6, True)]
+    assert (a.num_computed_tokens, a.num_output_placeholders) == (7, 2)
+    assert [r.req_id for r in land(s, first, token=11)] == ["a"]
+    assert a.output_token_ids == [11] and a.num_output_placeholders == 1
+    land(s, second, token=12)
+    assert a.output_token_ids == [11, 12] and a.num_output_placeholders == 0
+
+
+def test_no_step_past_the_end_that_a_token_in_flight_reaches():
+    s = make(budget=64)
+    s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=2), BS, ROOT))
+    s.max_model_len = 6
+    s.add_request(Request("b", [4, 5, 6, 7], SamplingParams(max_tokens=50), BS, ROOT))
+    one = s.schedule()
+    two = s.schedule()                  # a and b each have their 1st token in flight
+    assert [x[0] for x in chunks(two)] == ["a", "b"]
+    # a's 2nd token (max_tokens) and b's 2nd (its 6th token: max_model_len) are in flight:
+    # neither is scheduled again until they land and end the requests.
+    assert chunks(s.schedule()) == []
+    land(s, one)
+    land(s, two)
+    assert [len(s.requests[r].output_token_ids) for r in "ab"] == [2, 2]
+
+
+def test_preempted_with_a_token_in_flight_keeps_its_row_until_the_token_lands():
+    s = make(num_blocks=4, budget=64)
+    s.add_request(req("a", 8))
+    s.add_request(req("b", 8))
+    first = s.schedule()                # a, b: 2 blocks each, the pool is full
+    assert s.kv.pool.num_free_blocks() == 0
+    second = s.schedule()               # a needs a 3rd block for its placeholder: b goes
+    assert chunks(second) == [("a", 1, 8, True)]
+    b = s.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 1
+    # b's first token is in flight: its runner row stays (its stop checks need it), and it is
+    # not admitted again before the token lands.
+    assert second.finished_req_ids == set()
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)    # the whole pool is free again
+    assert chunks(s.schedule()) == []
+    land(s, first, token=9)
+    assert b.output_token_ids == [9] and b.num_output_placeholders == 0
+    again = s.schedule()
+    assert again.finished_req_ids == {"b"}
+    assert [(x[0], x[3]) for x in chunks(again)] == [("b", True)]    # prompt and token recomputed

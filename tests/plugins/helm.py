@@ -43,7 +43,7 @@ EVERYTHING = {
         "topologySpread": {"enabled": True},
         "kvCacheMemory": "20GiB", "numKvBlocks": 4096, "maxNumBatchedTokens": 4096, "maxModelLen": 8192,
         "maxWaiting": 100, "heartbeatInterval": 0.25, "snapshotInterval": 2, "prefixCaching": False, "enforceEager": True,
-        "schedulingPolicy": "priority", "metricsPrefix": "vllm", "asyncOutput": "on",
+        "schedulingPolicy": "priority", "metricsPrefix": "vllm", "asyncScheduling": "on",
         "modelImpl": "transformers", "revision": "v1.2", "dtype": "bfloat16", "device": "cuda", "blockSize": 32,
         "maxConcurrentStreams": 4096, "limits": {"maxN": 4, "maxPromptBytes": 1 << 19, "maxMessages": 64,
                                                   "maxPromptTokens": 8192, "maxLogitBias": 100, "maxStop": 8,
