@@ -42,6 +42,9 @@ class Detokenizer:
         self.text = ""
         self.emitted = 0                    # characters of self.text already streamed
         self.stop_reason: Optional[str] = None
+        # No stop strings and no clean-up: nothing rewrites or holds back text, so a piece is
+        # streamed as it comes (most requests take only this path, once per token).
+        self.plain = not self.stop and not self.clean_up
 
     def add_token(self, token_id: int, check_stop: bool = True) -> Optional[str]:
         """Append one token; returns the stop string if the new text completes one (the
@@ -50,6 +53,10 @@ class Detokenizer:
         piece = self.stream.step(self.backend, token_id)
         if not piece:
             return None     # an unfinished character, or nothing visible yet
+        if self.plain:
+            self.text += piece
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            return None
         start = self._extend(piece)
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return self._check_stop(start) if check_stop else None
@@ -97,6 +104,9 @@ class Detokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet streamed; while running, minus a tail that may start a stop string."""
+        if self.plain:
+            delta, self.emitted = self.text[self.emitted:], len(self.text)
+            return delta
         upto = len(self.text) if finished or self.stop_reason else len(self.text) - self._held_back()
         delta = self.text[self.emitted:upto]
         self.emitted = max(self.emitted, upto)

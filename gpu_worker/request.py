@@ -55,6 +55,10 @@ class Request:
         self.generator = None
         # Each sequence walks its own copy of the grammar (structured output).
         self.grammar = params.structured_output.new_state() if params.structured_output is not None else None
+        # Its sampling reads the tokens so far on the host (penalties, a grammar), so its next
+        # step cannot be scheduled before this step's token is known.
+        self.needs_history = (self.grammar is not None or params.repetition_penalty != 1.0
+                              or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0)
         self.block_size = block_size
         self.hash_root = hash_root
         self.block_hashes: list[bytes] = block_hashes(self.all_token_ids, block_size, hash_root)
@@ -78,14 +82,6 @@ class Request:
     @property
     def finish_reason(self) -> Optional[str]:
         return self.status.value if self.status.finished else None
-
-    @property
-    def needs_history(self) -> bool:
-        """Its sampling reads the tokens so far on the host (penalties, a grammar), so its next
-        step cannot be scheduled before this step's token is known."""
-        p = self.params
-        return (self.grammar is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -94,7 +94,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
+            n = min(len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens, budget)
             if n < 1 or self._ends_in_flight(req):
                 i += 1
                 continue
@@ -177,24 +177,32 @@ class Scheduler:
 
     def _output(self, chunks: dict[str, int]) -> SchedulerOutput:
         scheduled, new = [], []
-        for req_id, n in chunks.items():
-            req = self.requests[req_id]
+        requests, req_blocks, blocks_sent = self.requests, self.kv.req_to_blocks, self.blocks_sent
+        for req_id, n in chunks.items():     # once per request per step: kept lean
+            req = requests[req_id]
             start = req.num_computed_tokens
-            self.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
-            blocks = self.kv.req_to_blocks[req_id]
-            sent = self.blocks_sent.get(req_id)
+            prompt = len(req.prompt_token_ids)
+            if start < prompt:
+                self.num_prompt_tokens += min(start + n, prompt) - start
+            blocks = req_blocks[req_id]
+            sent = blocks_sent.get(req_id)
             if sent is None:
-                new.append(NewRequest(req_id, list(req.all_token_ids), req.num_prompt_tokens,
-                                      req.params, [b.block_id for b in blocks], req.generator,
-                                      req.grammar))
+                new.append(NewRequest(req_id, list(req.all_token_ids), prompt, req.params,
+                                      [b.block_id for b in blocks], req.generator, req.grammar))
                 sent = len(blocks)
-            added = [b.block_id for b in blocks[sent:]] if len(blocks) > sent else []
-            sample = start + n == req.num_tokens + req.num_output_placeholders
+            if len(blocks) > sent:
+                added = [b.block_id for b in blocks[sent:]]
+                blocks_sent[req_id] = len(blocks)
+            else:
+                added = []
+                blocks_sent[req_id] = sent
+            end = start + n
+            sample = end == len(req.all_token_ids) + req.num_output_placeholders
             scheduled.append(ScheduledRequest(req_id, n, start, sample, added))
-            self.blocks_sent[req_id] = len(blocks)
             # Progress counts from now: the next step may be scheduled before this one returns.
-            req.num_computed_tokens = start + n
-            req.num_output_placeholders += sample
+            req.num_computed_tokens = end
+            if sample:
+                req.num_output_placeholders += 1
         out = SchedulerOutput(scheduled=scheduled, new=new, finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         return out
@@ -204,20 +212,22 @@ class Scheduler:
         batch order. A request preempted meanwhile keeps its token (recompute includes it); one
         that ended meanwhile (stop string, abort) drops it."""
         advanced = []
-        for s in out.scheduled:
+        requests, tokens, logprobs = self.requests, result.sampled_token_ids, result.logprobs
+        preempted = RequestStatus.PREEMPTED
+        for s in out.scheduled:             # once per request per step: kept lean
             if not s.sample:
                 continue
-            req = self.requests.get(s.req_id)
+            req = requests.get(s.req_id)
             if req is None:
                 continue
             req.num_output_placeholders -= 1
-            token = result.sampled_token_ids.get(s.req_id)
+            token = tokens.get(s.req_id)
             if token is None:
                 continue
             req.append_output_token(token)
-            if s.req_id in result.logprobs and req.params.logprobs is not None:
-                req.logprobs.append(result.logprobs[s.req_id])
-            if req.status == RequestStatus.PREEMPTED and not req.num_output_placeholders:
+            if logprobs and s.req_id in logprobs and req.params.logprobs is not None:
+                req.logprobs.append(logprobs[s.req_id])
+            if req.status is preempted and not req.num_output_placeholders:
                 self.finished_req_ids.add(req.req_id)   # its runner row can go now
             advanced.append(req)
         return advanced
