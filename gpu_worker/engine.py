@@ -152,14 +152,14 @@ class LLMEngine:
         the scheduler) and turned into text and deltas. On CUDA the launch returns before the
         GPU is done, so the GPU goes from N to N+1 without waiting for the host. A request that
         a stop token or a stop string ends at N was already in N+1: its token from N+1 is dropped
-        when it comes back. While a running request's sampling reads its tokens on the host
-        (penalties, a grammar), N is collected before N+1 is scheduled. Without async
-        scheduling, a step is launched, collected and turned into deltas in the same turn."""
+        when it comes back. Under tensor parallelism N is collected before N+1 is scheduled
+        (every rank takes its inputs from rank 0's host). Without async scheduling, a step is
+        launched, collected and turned into deltas in the same turn."""
         t0 = time.perf_counter()
         deltas, self.pending = self.pending, []
         prev, self.in_flight = self.in_flight, None
         collected: list[tuple[Request, int]] = []
-        if prev is not None and not self._can_overlap():
+        if prev is not None and self.runner.tp is not None:
             collected, prev = self._collect(prev), None
         if self.scheduler.has_unfinished():
             out = self.scheduler.schedule()
@@ -181,12 +181,6 @@ class LLMEngine:
         if collected or self.in_flight is not None:
             self.step_seconds += time.perf_counter() - t0
         return deltas
-
-    def _can_overlap(self) -> bool:
-        """Whether the next step may be scheduled before the one in flight returns: not while a
-        running request samples from its tokens on the host, nor under tensor parallelism
-        (every rank takes its inputs from rank 0's host)."""
-        return self.runner.tp is None and not any(r.needs_history for r in self.scheduler.running)
 
     def _collect(self, step: tuple[SchedulerOutput, Optional[InFlight]]) -> list[tuple[Request, int]]:
         """A launched step's tokens, with their finish flags (input_batch.STOP_TOKEN / LENGTH)."""

@@ -255,6 +255,12 @@ class InputBatch:
                           rows[sample_seq], [scheduled[i].req_id for i in sample_seq],
                           (d64[o_fd:o_fd + f], d64[o_fs:o_fs + f]) if f else None)
 
+    def _upload(self, a: np.ndarray) -> torch.Tensor:
+        """A small host array on the device, pinned and non-blocking on CUDA: a plain copy would
+        wait for the step in flight, which async scheduling must not."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
     def _to_device(self, dev: torch.Tensor, host: torch.Tensor, n: int) -> torch.Tensor:
         if dev is not host:
             dev[:n].copy_(host[:n], non_blocking=True)
@@ -292,9 +298,10 @@ class InputBatch:
 
     # ---- sampling inputs ---------------------------------------------------------------------
 
-    def sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
+    def sampling_batch(self, rows: np.ndarray, last_draw: Optional[torch.Tensor] = None) -> SamplingBatch:
         """The sampler's view of the sampling rows: parameters in one device copy, and the
-        sparse extras (seeds, logit_bias, min_tokens, penalties) only for rows that use them."""
+        sparse extras (seeds, logit_bias, min_tokens, penalties) only for rows that use them.
+        last_draw: the previous step's tokens on the device, for rows whose token is in flight."""
         b = len(rows)
         p = self.params[rows]
         self.np_params[:b * NUM_PARAMS] = p.reshape(-1)
@@ -303,7 +310,7 @@ class InputBatch:
         batch = SamplingBatch(
             temperature=dev[:, TEMPERATURE], top_p=dev[:, TOP_P], top_k=dev[:, TOP_K], min_p=dev[:, MIN_P],
             all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
-            greedy=None if greedy.all() or not greedy.any() else torch.from_numpy(greedy).to(self.device),
+            greedy=None if greedy.all() or not greedy.any() else self._upload(greedy),
             top_k_max=int(p[:, TOP_K].max()) if (p[:, TOP_K] < self.vocab_size).any() else 0,
             any_top_p=bool((p[:, TOP_P] < 1.0).any()), any_min_p=bool((p[:, MIN_P] > 0).any()),
             all_top_k=bool((p[:, TOP_K] < self.vocab_size).all()),
@@ -314,13 +321,12 @@ class InputBatch:
         if len(held):
             ids = self.stop_ids[rows[held]]
             i, j = np.nonzero(ids >= 0)
-            batch.min_tokens_mask = (torch.from_numpy(held[i]).to(self.device),
-                                     torch.from_numpy(ids[i, j]).to(self.device))
+            batch.min_tokens_mask = (self._upload(held[i]), self._upload(ids[i, j]))
         if self.logit_bias:
             batch.logit_bias = self._logit_bias(rows)
         pen = np.flatnonzero((p[:, REPETITION] != 1.0) | (p[:, PRESENCE] != 0.0) | (p[:, FREQUENCY] != 0.0))
         if len(pen):
-            batch.penalties = self._penalties(rows, pen, dev)
+            batch.penalties = self._penalties(rows, pen, dev, last_draw)
         if self.grammars:
             states = [self.grammars.get(r) for r in rows.tolist()]
             if any(st is not None for st in states):
@@ -342,22 +348,31 @@ class InputBatch:
                 v.extend(vals)
         if not r:
             return None
-        return (torch.tensor(r, device=self.device), torch.tensor(t, device=self.device),
-                torch.tensor(v, dtype=torch.float32, device=self.device))
+        return (self._upload(np.array(r, np.int64)), self._upload(np.array(t, np.int64)),
+                self._upload(np.array(v, np.float32)))
 
-    def _penalties(self, rows: np.ndarray, pen: np.ndarray, dev: torch.Tensor):
-        """(batch indices, prompt+output presence [P, V] bool, output counts [P, V], params)."""
+    def _penalties(self, rows: np.ndarray, pen: np.ndarray, dev: torch.Tensor, last_draw: Optional[torch.Tensor]):
+        """(batch indices, prompt+output presence [P, V] bool, output counts [P, V], params).
+        A token still in flight is counted from last_draw on the device, not from its place."""
         prow = rows[pen]
         length = int(self.num_tokens[prow].max())
         toks = self.token_ids[prow, :length]
         col = np.arange(length)[None, :]
-        valid = col < self.num_tokens[prow][:, None]
+        flying = self.pending_src[prow] >= 0
+        valid = (col < self.num_tokens[prow][:, None]) & ~(flying[:, None] & (col == self.pending_pos[prow][:, None]))
         is_out = valid & (col >= self.num_prompt[prow][:, None])
         v = self.vocab_size
-        all_ids = torch.from_numpy(np.where(valid, toks, v)).to(self.device)
-        out_ids = torch.from_numpy(np.where(is_out, toks, v)).to(self.device)
+        all_ids = self._upload(np.where(valid, toks, v))
+        out_ids = self._upload(np.where(is_out, toks, v))
         ones = torch.ones(all_ids.shape, dtype=torch.float32, device=self.device)
         seen = torch.zeros(len(prow), v + 1, device=self.device).scatter_add_(1, all_ids, ones)[:, :v] > 0
         counts = torch.zeros(len(prow), v + 1, device=self.device).scatter_add_(1, out_ids, ones)[:, :v]
-        idx = torch.from_numpy(pen).to(self.device)
+        if flying.any():
+            if last_draw is None:
+                raise RuntimeError("penalties: a token in flight needs the previous draw")
+            i = np.flatnonzero(flying)
+            at = (self._upload(i), last_draw[self._upload(self.pending_src[prow[i]])])
+            counts.index_put_(at, torch.ones(len(i), device=self.device), accumulate=True)
+            seen[at] = True
+        idx = self._upload(pen)
         return idx, seen, counts, dev[idx][:, REPETITION:FREQUENCY + 1]

@@ -325,7 +325,7 @@ class ModelRunner:
         logits, inputs = self._run_model(out.scheduled)
         if not inputs.req_ids:
             return None
-        sampled = self.sampler.draw(logits, self.batch.sampling_batch(inputs.sample_rows))
+        sampled = self.sampler.draw(logits, self.batch.sampling_batch(inputs.sample_rows, self.last_draw))
         self.last_draw = sampled.tokens
         return InFlight(inputs.req_ids, self.batch.mark_sampled(inputs.sample_rows), sampled)
 

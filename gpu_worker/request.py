@@ -55,10 +55,9 @@ class Request:
         self.generator = None
         # Each sequence walks its own copy of the grammar (structured output).
         self.grammar = params.structured_output.new_state() if params.structured_output is not None else None
-        # Its sampling reads the tokens so far on the host (penalties, a grammar), so its next
-        # step cannot be scheduled before this step's token is known.
-        self.needs_history = (self.grammar is not None or params.repetition_penalty != 1.0
-                              or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0)
+        # Its grammar's mask for the next token is worked out on the host from this token, so
+        # its next step waits until this one's token is back (async scheduling).
+        self.waits_for_its_token = self.grammar is not None
         self.block_size = block_size
         self.hash_root = hash_root
         self.block_hashes: list[bytes] = block_hashes(self.all_token_ids, block_size, hash_root)

@@ -9,8 +9,9 @@ requests of lower priority, lowest first.
 
 A step may be scheduled while the previous one is still running (async scheduling): a request
 whose token is in flight counts it as a placeholder (the runner feeds the sampled token in on
-the device), is not scheduled again if that token must end it by length, and keeps its runner
-row until the token comes back, even when preempted, so that the token's stop checks still run.
+the device), is not scheduled again if that token must end it by length (nor, with a grammar,
+before the token is back: its next mask depends on it), and keeps its runner row until the token
+comes back, even when preempted, so that the token's stop checks still run.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens, budget)
-            if n < 1 or self._ends_in_flight(req):
+            if n < 1 or self._ends_in_flight(req) or (req.num_output_placeholders and req.waits_for_its_token):
                 i += 1
                 continue
             while self.kv.allocate_slots(req, n) is None:

@@ -63,7 +63,7 @@ def test_outputs_equal_the_synchronous_engine(tiny_llm_factory, num_kv_blocks):
     assert pipe.engine.in_flight is None and not pipe.engine.has_unfinished_requests()
 
 
-def step_log(llm, params):
+def step_log(llm, params, prompt=None):
     engine, runner, log = llm.engine, llm.engine.runner, []
     launch, finish, on_token = runner.launch, runner.finish, engine._on_token
 
@@ -81,7 +81,7 @@ def step_log(llm, params):
 
     runner.launch, runner.finish, engine._on_token = logged_launch, logged_finish, logged_on_token
     try:
-        out = llm.generate([rand_ids(12, 1)], params)
+        out = llm.generate([prompt or rand_ids(12, 1)], params)
     finally:
         del runner.launch, runner.finish, engine._on_token
     return log, out
@@ -97,16 +97,26 @@ def test_next_step_is_launched_before_this_one_is_collected(tiny_llm_factory):
     assert len(out[0].outputs[0].token_ids) == 4 and llm.engine.num_steps == 4
 
 
-def test_requests_that_sample_from_their_history_are_collected_first(tiny_llm_factory):
-    """Penalties read the tokens so far on the host: step k is collected before k+1 is
-    scheduled (the text still comes after the launch), and the outputs equal the synchronous
-    engine's."""
+def test_penalties_count_the_token_in_flight(tiny_llm_factory):
+    """Penalties count every output token, the one still in flight included (read from the
+    previous draw on the device): the pipelined order holds and the outputs equal the
+    synchronous engine's. This prompt's greedy output repeats its third token twice, which a
+    repetition penalty breaks only if the token just sampled (in flight) is counted."""
     sync = tiny_llm_factory("llama", num_kv_blocks=64)
     llm = tiny_llm_factory("llama", num_kv_blocks=64, async_scheduling="on")
-    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0, repetition_penalty=1.3)
-    log, out = step_log(llm, params)
-    assert log == ["launch", "collect", "launch", "text", "collect", "launch", "text", "collect", "text"]
-    assert summary(out) == summary(sync.generate([rand_ids(12, 1)], params))
+    prompt = rand_ids(12, 5)
+    plain = sync.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
+    assert plain[0].outputs[0].token_ids[2] == plain[0].outputs[0].token_ids[3]
+    for params in (SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, repetition_penalty=1.5),
+                   SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=3, frequency_penalty=2.0,
+                                  presence_penalty=1.0, repetition_penalty=1.2)):
+        log, out = step_log(llm, params, prompt)
+        assert log[:4] == ["launch", "launch", "collect", "text"]
+        want = sync.generate([prompt], params)
+        assert summary(out) == summary(want)
+    greedy_penalised = sync.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0,
+                                                              repetition_penalty=1.5))
+    assert greedy_penalised[0].outputs[0].token_ids[3] != plain[0].outputs[0].token_ids[3]
 
 
 def test_stop_string_in_flight_drops_the_extra_token_and_frees_blocks(tiny_llm_factory):

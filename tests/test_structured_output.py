@@ -127,3 +127,31 @@ def test_mask_leaves_unconstrained_rows_untouched(compiler):
     allowed = torch.isfinite(logits[1])
     assert 0 < int(allowed.sum()) < vocab
     assert torch.equal(logits[1][allowed], before[1][allowed])
+
+
+def test_async_scheduling_holds_a_constrained_request_until_its_token_is_back(tiny_model, llm, compiler):
+    """A grammar's next mask is worked out on the host from the token just sampled, so under async
+    scheduling a constrained request skips the step launched while its token is in flight; the
+    free-running request beside it is in every step. Outputs equal the synchronous engine's."""
+    from gpu_worker.llm import LLM
+    pipe = LLM(model=tiny_model, device="cpu", num_kv_blocks=256, max_model_len=512, async_scheduling="on")
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              guided(compiler, "json_schema", json.dumps(SCHEMA), temperature=1.0, seed=5, max_tokens=MAX_TOKENS)]
+    prompts = ["The sea is", "Pet:"]
+    launch, steps = pipe.engine.runner.launch, []
+
+    def logged(out):
+        steps.append({pipe.engine.scheduler.requests[s.req_id].parent_id for s in out.scheduled})
+        return launch(out)
+
+    pipe.engine.runner.launch = logged
+    got = pipe.generate(prompts, params)
+    ids = [o.request_id for o in got]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    jsonschema.validate(json.loads(got[1].outputs[0].text), SCHEMA)
+    # While both run: the free request in every step (20 of them), the constrained one in every
+    # other step (alone, it runs every step: nothing else could be launched meanwhile).
+    both = steps[:20]
+    assert all(ids[0] in s for s in both)
+    assert not any(ids[1] in a and ids[1] in b for a, b in zip(both, both[1:]))
+    assert sum(ids[1] in s for s in both) == 10
