@@ -117,12 +117,13 @@ class Sampler:
             return argmax
         # Greedy rows divide by 1: their draw is discarded below.
         temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
-        logits = logits / temp[:, None]
-        if b.any_min_p:
-            probs = torch.softmax(logits, dim=-1)
-            threshold = b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        # In place from here: a fresh [B, V] tensor per operation costs an allocation and its page
+        # faults on a CPU. Probabilities stay unnormalised (the best token of a row is exactly 1),
+        # since every cut and the draw below compare within a row.
+        probs = logits.div_(temp[:, None])
+        probs = probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
+        if b.any_min_p:     # below min_p of the best token's probability
+            probs.masked_fill_(probs < b.min_p[:, None], 0.0)
         u = _uniforms(probs.shape[0], b.generators, probs.device)
         if b.top_k_max or b.any_top_p:
             sampled = _sample_truncated(probs, b, u)
@@ -176,10 +177,11 @@ def _uniforms(n: int, generators: list[tuple[int, torch.Generator]], device: tor
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Row i's index whose cumulative mass first exceeds u_i of the row's total: a draw from
-    probs (unnormalised is fine) with one random number per row, not one per token."""
-    cdf = probs.cumsum(dim=-1)
+    probs (unnormalised is fine; overwritten) with one random number per row, not one per token."""
+    cdf = probs.cumsum_(dim=-1)
     x = u[:, None] * cdf[:, -1:]
-    return (cdf <= x).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
+    # The number of cumulative masses <= x, by binary search in each row.
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
 def _sample_truncated(probs: torch.Tensor, b: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
@@ -192,22 +194,23 @@ def _sample_truncated(probs: torch.Tensor, b: SamplingBatch, u: torch.Tensor) ->
     if b.top_k_max:
         best = probs.topk(b.top_k_max, dim=-1).values
         kth = best.gather(1, (b.top_k.clamp(max=b.top_k_max).long() - 1)[:, None])
-        probs = probs.masked_fill(k_on[:, None] & (probs < kth), 0.0)
+        probs.masked_fill_(k_on[:, None] & (probs < kth), 0.0)
     if b.any_top_p:
+        total = probs.sum(dim=-1, keepdim=True)
         if b.all_top_k:
             cand = best.masked_fill(best < kth, 0.0)
         elif vocab <= 4 * TOP_P_CANDIDATES:     # a small vocabulary: sorting costs no more
             cand = _sorted_values(probs)
         else:
             cand = probs.topk(max(TOP_P_CANDIDATES, b.top_k_max), dim=-1).values
-            enough = (cand.sum(dim=-1) >= b.top_p * probs.sum(dim=-1)) | (b.top_p >= 1)
+            enough = (cand.sum(dim=-1, keepdim=True) >= b.top_p[:, None] * total) | (b.top_p[:, None] >= 1)
             if not bool(enough.all()):
                 cand = _sorted_values(probs)
         # Mass strictly ahead of each candidate: top_p keeps those below p of the kept total.
-        ahead = cand.cumsum(dim=-1) - cand
-        kept = (ahead < b.top_p[:, None] * probs.sum(dim=-1, keepdim=True)).sum(dim=-1).clamp(min=1)
+        ahead = cand.cumsum(dim=-1).sub_(cand)
+        kept = (ahead < b.top_p[:, None] * total).sum(dim=-1).clamp(min=1)
         cutoff = cand.gather(1, (kept - 1)[:, None])
-        probs = probs.masked_fill((b.top_p[:, None] < 1) & (probs < cutoff), 0.0)
+        probs.masked_fill_((b.top_p[:, None] < 1) & (probs < cutoff), 0.0)
     return _inverse_cdf(probs, u)
 
 
