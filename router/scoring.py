@@ -3,10 +3,10 @@
 The cost is time, in seconds, from the speed each worker measures and reports in its lease
 (gpu_worker/step_rates.py): a step costs  s + p / Rp + d / Rd  for p prompt tokens and d
 decoding sequences, carrying at most B tokens. For worker w, a request of P prompt tokens of
-which C are cached on w, Q prefill tokens queued on w (reported, plus this router's in-flight
-credits), D sequences decoding there (running + waiting + credits - those ended since the
-report) and O the expected output length (a moving average of finished requests, capped at this
-request's max_tokens):
+which C are cached on w, Q prefill tokens queued on w (reported, less the prefill of requests
+whose first token came after the report, plus this router's in-flight credits), D sequences
+decoding there (running + waiting + credits - those ended since the report) and O the expected
+output length (a moving average of finished requests, capped at this request's max_tokens):
 
     prefill(x) = x / Rp + (x / B) * (s + D / Rd)   x prompt tokens in steps that also carry D decodes
     load       = prefill(Q)                        drain the queued prefill
@@ -58,6 +58,7 @@ DEFAULT_OUTPUT_TOKENS = 128
 # workers as idle and piled sessions onto them: multi_turn at 32 workers, 0.934 of the oracle's
 # hit rate and busy imbalance 1.23; at 0, 0.972 and 1.16.)
 GONE_GRACE_S = 0.0
+INF = float("inf")
 
 
 @dataclass
@@ -164,6 +165,12 @@ class WorkerState:
             if c.sent_at < ls.ts:              # the report counts it
                 ended += 1
                 ended_prefill += c.prompt_tokens if ls.ts < c.first_at else 0
+        # A report taken before a request's first token counts its prefill as queued; once the
+        # first token is out that prefill is done, though no load event says so (only running
+        # and waiting send one) until the next heartbeat.
+        for c in self.counted.values():
+            if ls.ts < c.first_at < INF:
+                ended_prefill += c.prompt_tokens
         decoding = max(0, ls.running + ls.waiting + len(self.credits) - ended)
         per_token = 1.0 / rp + (s + decoding / rd) / b
         base = max(0, ls.queued_prefill_tokens - ended_prefill + self.credit_prefill) * per_token

@@ -134,6 +134,21 @@ def test_a_report_taken_before_a_requests_first_token_does_not_bring_its_prefill
     assert w.load_cost() == 0          # that report still shows r1 queued, but it has come and gone
 
 
+def test_a_first_token_takes_its_prefill_off_a_report_taken_before_it():
+    w = worker("a")
+    w.credit("r1", 100, now=10.0)
+    w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=10.1, running=1, queued_prefill_tokens=100, **RATES))
+    one = DECODE_SHARE * DEFAULT_OUTPUT_TOKENS / 1000
+    assert not w.credits and w.load_cost() == pytest.approx(100 * per_token(1) + one)
+    # Prefill done: running and waiting do not change, so no load event comes before the next
+    # heartbeat, and that report would keep showing r1's prompt as queued until then.
+    w.prefill_done("r1", now=10.3)
+    assert w.load_cost() == pytest.approx(one)
+    # A report taken after the first token does not count r1's prefill: what it queues is another's.
+    w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=10.4, running=1, queued_prefill_tokens=100, **RATES))
+    assert w.load_cost() == pytest.approx(100 * per_token(1) + one)
+
+
 def test_kv_pressure_penalty():
     calm, full = worker("a", kv_usage=0.5), worker("b", kv_usage=0.99)
     assert calm.load_cost() == 0
