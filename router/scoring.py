@@ -3,18 +3,33 @@
 The cost is time, in seconds, from the speed each worker measures and reports in its lease
 (gpu_worker/step_rates.py): a step costs  s + p / Rp + d / Rd  for p prompt tokens and d
 decoding sequences, carrying at most B tokens. For worker w, a request of P prompt tokens of
-which C are cached on w, Q prefill tokens queued on w (reported, less the prefill of requests
-whose first token came after the report, plus this router's in-flight credits), D sequences
-decoding there (running + waiting + credits - those ended since the report) and O the expected
-output length (a moving average of finished requests, capped at this request's max_tokens):
+which C are cached on w, D sequences decoding there (running + waiting + credits - those ended
+since the report) and O the expected output length (a moving average of finished requests,
+capped at this request's max_tokens):
 
     prefill(x) = x / Rp + (x / B) * (s + D / Rd)   x prompt tokens in steps that also carry D decodes
-    load       = prefill(Q)                        drain the queued prefill
+    load       = queue(now)                        what is left of the queued prefill
                + DECODE_SHARE * O * D / Rd         our O decode steps, each slowed by D others
                + kv_penalty                        grows quadratically past KV_KNEE of the pool:
                                                    admission would stall or preempt
     excess     = max(0, load - max(BALANCE * mean load, mean load + prefill(B)))
     cost       = load + excess + prefill(P - C)
+
+The queue is a time, not a count: a report stamped t0 shows Q tokens queued, less the prefill
+of requests whose first token this router has seen since (only running and waiting changes
+send a load event, so a finished prefill would otherwise stay queued until the next
+heartbeat); that much drains from t0 (or from the last such first token, when that much was
+surely done) at the rate prefill() charges, and each of this router's requests in flight
+(its uncached prompt, until its first token) drains in the order sent, from its send:
+
+    done       = max(t0, last first token seen) + prefill(Q - prefills done since t0)
+    done       = max(done, sent_i) + prefill(p_i)  for each credit i in the order sent
+    queue(now) = clip(done - now, 0, prefill(Q - done since t0 + sum p_i))
+
+The bound is the queue as counted, undrained: a report stamped ahead of the router's clock
+(skew) never counts more. Without the drain, a busy prompt's holder looked busy for up to a
+heartbeat after its queue had emptied, and its followers went elsewhere (shared prompts at
+32 workers: 0.808 of the tokens hit with neither rule, 0.825 with the first, 0.839 with both).
 
 prefix_aware ranks by cost, lowest first. The overlap C saves prefill(C), so a worker holding
 the prefix wins until its queue costs more than recomputing the prefix elsewhere: a hot prefix
@@ -33,6 +48,7 @@ from __future__ import annotations
 import itertools
 import operator
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -82,7 +98,7 @@ class WorkerState:
     # counts one as running (and before its first token, its prefill as queued), so it is taken off.
     counted: dict[str, Credit] = field(default_factory=dict)
     gone: dict[str, Credit] = field(default_factory=dict)
-    _memo: tuple[float, float, float, float] | None = field(default=None, repr=False)   # figures()
+    _memo: tuple[float, float, float, float, float, float] | None = field(default=None, repr=False)   # figures()
     _sink: set | None = field(default=None, repr=False)     # a scorer's set of workers to refresh
 
     def _changed(self) -> None:
@@ -153,35 +169,53 @@ class WorkerState:
         return (ls.prefill_tps or DEFAULT_PREFILL_TPS, ls.decode_tps or DEFAULT_DECODE_TPS,
                 ls.step_s or DEFAULT_STEP_S, ls.max_batched_tokens or DEFAULT_BATCH_TOKENS)
 
-    def figures(self) -> tuple[float, float, float, float]:
-        """(load without its decode term, decode term per output token, seconds per prompt token
-        of prefill, seconds of one full prefill step): load = first + O * second."""
+    def figures(self) -> tuple[float, float, float, float, float, float]:
+        """(drain_at, queued_s, kv_s, per_output, per_token, full_step): the time its queued
+        prefill is done (this router's clock), that queue's seconds as counted, undrained; the KV
+        penalty in seconds; the decode term per output token; seconds per prompt token of
+        prefill; seconds of one full prefill step. At time t, load = clip(drain_at - t, 0,
+        queued_s) + kv_s + O * per_output."""
         if self._memo is not None:
             return self._memo
         rp, rd, s, b = self.rates()
         ls = self.lease
         ended = ended_prefill = 0
+        since = ls.ts           # what the report queues has drained since then, as far as we know
         for c in self.gone.values():
             if c.sent_at < ls.ts:              # the report counts it
                 ended += 1
-                ended_prefill += c.prompt_tokens if ls.ts < c.first_at else 0
+                if ls.ts < c.first_at:
+                    ended_prefill += c.prompt_tokens
+                    since = max(since, c.first_at)
         # A report taken before a request's first token counts its prefill as queued; once the
         # first token is out that prefill is done, though no load event says so (only running
         # and waiting send one) until the next heartbeat.
         for c in self.counted.values():
             if ls.ts < c.first_at < INF:
                 ended_prefill += c.prompt_tokens
+                since = max(since, c.first_at)
         decoding = max(0, ls.running + ls.waiting + len(self.credits) - ended)
         per_token = 1.0 / rp + (s + decoding / rd) / b
-        base = max(0, ls.queued_prefill_tokens - ended_prefill + self.credit_prefill) * per_token
+        queued = max(0, ls.queued_prefill_tokens - ended_prefill)
+        # The queue drains while the router waits for the next report: what the report queued
+        # from its stamp (or from the last first token seen since, which is when that much was
+        # surely done), then each request in flight from its send, in the order sent.
+        drain_at = since + queued * per_token
+        for c in self.credits.values():
+            if c.prefill_tokens:
+                drain_at = max(drain_at, c.sent_at) + c.prefill_tokens * per_token
+        kv = 0.0
         if ls.kv_usage > KV_KNEE:
-            base += KV_PENALTY_TOKENS * per_token * ((ls.kv_usage - KV_KNEE) / (1 - KV_KNEE)) ** 2
-        self._memo = (base, DECODE_SHARE * decoding / rd, per_token, per_token * b)
+            kv = KV_PENALTY_TOKENS * per_token * ((ls.kv_usage - KV_KNEE) / (1 - KV_KNEE)) ** 2
+        self._memo = (drain_at, (queued + self.credit_prefill) * per_token, kv, DECODE_SHARE * decoding / rd,
+                      per_token, per_token * b)
         return self._memo
 
-    def load_cost(self, output_tokens: float = DEFAULT_OUTPUT_TOKENS) -> float:
-        base, per_output, _, _ = self.figures()
-        return base + output_tokens * per_output
+    def load_cost(self, output_tokens: float = DEFAULT_OUTPUT_TOKENS, now: float | None = None) -> float:
+        """The load term at `now` (None: as counted, before any of the queue drains)."""
+        drain_at, queued_s, kv, per_output, _, _ = self.figures()
+        queue = queued_s if now is None else min(max(drain_at - now, 0.0), queued_s)
+        return queue + kv + output_tokens * per_output
 
 
 class _Figures:
@@ -191,8 +225,9 @@ class _Figures:
         self.workers = list(workers)
         self.position = {w.id: i for i, w in enumerate(workers)}
         self.dirty: set[WorkerState] = set()
-        cols = np.array([w.figures() for w in workers], dtype=np.float64).reshape(len(workers), 4)
-        self.base, self.per_output, self.per_token, self.full_step = (cols[:, i].copy() for i in range(4))
+        cols = np.array([w.figures() for w in workers], dtype=np.float64).reshape(len(workers), 6)
+        (self.drain_at, self.queued_s, self.kv, self.per_output, self.per_token,
+         self.full_step) = (cols[:, i].copy() for i in range(6))
         for w in workers:
             w._sink = self.dirty
 
@@ -203,7 +238,8 @@ class _Figures:
         for w in self.dirty:
             i = self.position.get(w.id)
             if i is not None and self.workers[i] is w:
-                self.base[i], self.per_output[i], self.per_token[i], self.full_step[i] = w.figures()
+                (self.drain_at[i], self.queued_s[i], self.kv[i], self.per_output[i], self.per_token[i],
+                 self.full_step[i]) = w.figures()
         self.dirty.clear()
 
 
@@ -232,16 +268,18 @@ class Scorer:
         requests re-learn it)."""
         self.output_tokens += 0.1 * (max(tokens, 1) - self.output_tokens)
 
-    def rank(self, model: str, workers: list[WorkerState], prompt_len: int,
-             hashes: Sequence[bytes], limit: int | None = None, max_output: int | None = None) -> list[Choice]:
-        """Candidates best first (the best `limit` of them when given). A request's own decode
-        runs at most `max_output` tokens (its max_tokens), whatever others average."""
+    def rank(self, model: str, workers: list[WorkerState], prompt_len: int, hashes: Sequence[bytes],
+             limit: int | None = None, max_output: int | None = None, now: float | None = None) -> list[Choice]:
+        """Candidates best first (the best `limit` of them when given) at time `now` (wall clock,
+        the one credits and reports are stamped with; default the current time). A request's own
+        decode runs at most `max_output` tokens (its max_tokens), whatever others average."""
         if not workers:
             return []
-        return self.rank_overlap(model, workers, prompt_len, self.index.overlap(hashes), limit, max_output)
+        return self.rank_overlap(model, workers, prompt_len, self.index.overlap(hashes), limit, max_output, now)
 
     def rank_overlap(self, model: str, workers: list[WorkerState], prompt_len: int, overlap: dict[str, int],
-                     limit: int | None = None, max_output: int | None = None) -> list[Choice]:
+                     limit: int | None = None, max_output: int | None = None,
+                     now: float | None = None) -> list[Choice]:
         """rank() given each worker's cached leading blocks (absent = none): the oracle's entry."""
         block = workers[0].lease.block_size
         # The engine always recomputes the last prompt token, so at most prompt_len - 1 hit.
@@ -255,7 +293,8 @@ class Scorer:
         f = self._figures(model, workers)
         n = len(workers)
         o = min(self.output_tokens, max_output) if max_output else self.output_tokens
-        load = f.base + o * f.per_output
+        now = time.time() if now is None else now
+        load = np.minimum(np.maximum(f.drain_at - now, 0.0), f.queued_s) + f.kv + o * f.per_output
         mean = float(load.sum()) / n        # load.mean(), without its Python-level wrapper
         excess = np.maximum(load - np.maximum(self.balance * mean, mean + f.full_step), 0.0)
         uncached = np.full(n, float(prompt_len))

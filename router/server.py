@@ -295,8 +295,9 @@ class RouterService(pb_grpc.GenerationServicer):
         # A template error is the caller's input too: ValueError names the field.
         return await asyncio.to_thread(encode_prompt, pin.tokenizer, request)
 
-    def rank(self, model, workers, request, token_ids):
-        """The routing decision, with no I/O: candidates best first, and the prompt's block hashes."""
+    def rank(self, model, workers, request, token_ids, now: float | None = None):
+        """The routing decision, with no I/O: candidates best first, and the prompt's block hashes
+        (`now`: the wall clock, unless a simulation keeps its own)."""
         names = (model, request.adapter, request.cache_salt)
         root = self._roots.get(names)
         if root is None:            # a BLAKE2b and its keyword parsing, once per namespace
@@ -307,7 +308,7 @@ class RouterService(pb_grpc.GenerationServicer):
         shut = self.breaker.open_workers()
         allowed = ([w for w in workers if w.id not in shut] or workers) if shut else workers
         return self.scorer.rank(model, allowed, len(token_ids), hashes, self.max_attempts,
-                                request.sampling.max_tokens or None), hashes
+                                request.sampling.max_tokens or None, now), hashes
 
     def claim(self, choice: Choice, request_id: str, prompt_len: int, hashes: Sequence[bytes],
               sent_at: float | None = None, now: float | None = None) -> None:

@@ -30,12 +30,12 @@ def scorer(policy="prefix_aware", idx=None, seed=0, **kw):
 
 
 def test_cost_is_the_documented_formula():
-    w = worker("a", running=2, waiting=1, queued_prefill_tokens=200)
+    w = worker("a", running=2, waiting=1, queued_prefill_tokens=200, ts=10.0)
     w.credit("r1", 50, now=10.0)
     d = 4                                               # running + waiting + one credit
     load = 250 * per_token(d) + DECODE_SHARE * DEFAULT_OUTPUT_TOKENS * d / 1000
     assert w.load_cost() == pytest.approx(load)
-    (c,) = scorer().rank("m", [w], 100, chain(6, first=999))
+    (c,) = scorer().rank("m", [w], 100, chain(6, first=999), now=10.0)
     assert c.cost == pytest.approx(load + 100 * per_token(d)) and c.cached_tokens == 0
 
 
@@ -44,13 +44,13 @@ def test_a_hot_prefix_stays_until_its_holders_queue_makes_a_cold_prefill_elsewhe
     idx.add("a", h)
     s = scorer(idx=idx)
     a, b = worker("a", queued_prefill_tokens=127), worker("b")
-    ranked = s.rank("m", [a, b], 130, h)
+    ranked = s.rank("m", [a, b], 130, h, now=0.0)
     assert [c.worker.id for c in ranked] == ["a", "b"] and ranked[0].cached_tokens == 128
     assert ranked[0].cost == pytest.approx((127 + 2) * per_token())
     a.on_heartbeat(Lease("a", "m", "h:a", 1, 16, queued_prefill_tokens=129, **RATES))
-    assert s.rank("m", [a, b], 130, h)[0].worker.id == "b"      # b computes it and caches a copy
+    assert s.rank("m", [a, b], 130, h, now=0.0)[0].worker.id == "b"      # b computes it and caches a copy
     # Overlap is capped at prompt_len - 1: the engine always recomputes the last token.
-    assert s.rank("m", [worker("a")], 128, h)[0].cached_tokens == 127
+    assert s.rank("m", [worker("a")], 128, h, now=0.0)[0].cached_tokens == 127
 
 
 def test_a_worker_past_the_balance_bound_pays_its_excess_twice():
@@ -64,11 +64,11 @@ def test_a_worker_past_the_balance_bound_pays_its_excess_twice():
     assert load_a + 1 * pt < load_b + 1601 * pt
     mean = (load_a + 3 * load_b) / 4
     assert load_a > 1.5 * mean
-    ranked = scorer(idx=idx, balance=1.5).rank("m", [a] + others, 1601, h)
+    ranked = scorer(idx=idx, balance=1.5).rank("m", [a] + others, 1601, h, now=0.0)
     assert ranked[0].worker.id != "a"
     a_cost = next(c.cost for c in ranked if c.worker.id == "a")
     assert a_cost == pytest.approx(load_a + (load_a - 1.5 * mean) + 1 * pt)
-    assert scorer(idx=idx, balance=100.0).rank("m", [a] + others, 1601, h)[0].worker.id == "a"
+    assert scorer(idx=idx, balance=100.0).rank("m", [a] + others, 1601, h, now=0.0)[0].worker.id == "a"
     with pytest.raises(ValueError, match="balance"):
         scorer(balance=0.5)
 
@@ -84,9 +84,9 @@ def test_measured_rates_decide_between_workers():
 def test_in_flight_credit_spreads_a_burst_and_clears_on_a_later_report():
     a, b = worker("a"), worker("b")
     s = scorer(seed=1)
-    first = s.rank("m", [a, b], 100, chain(6, first=1000))[0].worker
+    first = s.rank("m", [a, b], 100, chain(6, first=1000), now=10.0)[0].worker
     first.credit("r1", 100, now=10.0)
-    assert s.rank("m", [a, b], 100, chain(6, first=5000))[0].worker is not first
+    assert s.rank("m", [a, b], 100, chain(6, first=5000), now=10.0)[0].worker is not first
     decode = DECODE_SHARE * DEFAULT_OUTPUT_TOKENS / 1000
     assert first.load_cost() == pytest.approx(100 * per_token(1) + decode)
     first.prefill_done("r1")
@@ -149,6 +149,37 @@ def test_a_first_token_takes_its_prefill_off_a_report_taken_before_it():
     assert w.load_cost() == pytest.approx(100 * per_token(1) + one)
 
 
+def test_queued_prefill_drains_between_reports():
+    pt, pt1, pt2 = per_token(), per_token(1), per_token(2)
+    w = worker("a", queued_prefill_tokens=1000, ts=10.0)         # 1.1 s of prefill at 10.0
+    assert w.load_cost(now=10.0) == pytest.approx(w.load_cost()) == pytest.approx(1000 * pt)
+    assert w.load_cost(now=10.5) == pytest.approx(1000 * pt - 0.5)
+    assert w.load_cost(now=12.0) == 0
+    # Ranked a second later, the older report's queue has mostly drained: a wins over a fresh
+    # report of a fifth of its queue, which the figures as reported would give to b.
+    b = worker("b", queued_prefill_tokens=200, ts=11.0)
+    assert scorer().rank("m", [w, b], 50, chain(3, first=99), now=11.0)[0].worker is w
+    assert scorer().rank("m", [w, b], 50, chain(3, first=99), now=10.0)[0].worker is b
+    # A request in flight queues behind what is left of the report, from its send on.
+    c = worker("c", queued_prefill_tokens=1000, ts=10.0)
+    c.credit("r1", 500, now=10.5)
+    assert c.load_cost(0, now=10.5) == pytest.approx(1500 * pt1 - 0.5)
+    d = worker("d", queued_prefill_tokens=1000, ts=10.0)
+    d.credit("r1", 500, now=12.0)                               # the report's queue is done by then
+    assert d.load_cost(0, now=12.0) == pytest.approx(500 * pt1)
+    # A first token seen after the report: what is left of the report's queue drains from then.
+    e = worker("e")
+    e.credit("r1", 400, now=10.0)
+    e.credit("r2", 1000, now=10.0)
+    e.on_heartbeat(Lease("e", "m", "h", 1, 16, ts=10.1, waiting=2, queued_prefill_tokens=1400, **RATES))
+    e.prefill_done("r1", now=10.5)
+    assert e.load_cost(0, now=10.5) == pytest.approx(1000 * pt2)
+    e.finish("r1", now=10.6)                                    # and so when that request has ended
+    assert e.load_cost(0, now=10.6) == pytest.approx(1000 * pt1 - 0.1)
+    # A report stamped in the router's future (clock skew) never counts more than its queue.
+    assert worker("f", queued_prefill_tokens=100, ts=20.0).load_cost(now=10.0) == pytest.approx(100 * pt)
+
+
 def test_kv_pressure_penalty():
     calm, full = worker("a", kv_usage=0.5), worker("b", kv_usage=0.99)
     assert calm.load_cost() == 0
@@ -172,7 +203,7 @@ def test_ties_break_at_random_and_limit_keeps_the_best():
     picks = {s.rank("m", [worker("a"), worker("b")], 50, chain(3))[0].worker.id for _ in range(40)}
     assert picks == {"a", "b"}
     ws = [worker(f"w{i}", queued_prefill_tokens=10 * i) for i in range(8)]
-    assert [c.worker.id for c in s.rank("m", ws, 50, chain(3), limit=3)] == ["w0", "w1", "w2"]
+    assert [c.worker.id for c in s.rank("m", ws, 50, chain(3), limit=3, now=0.0)] == ["w0", "w1", "w2"]
 
 
 def test_expected_output_follows_finished_requests_and_is_capped_by_max_tokens():
@@ -196,16 +227,16 @@ def test_expected_output_follows_finished_requests_and_is_capped_by_max_tokens()
 def test_figures_follow_changes_between_decisions():
     s = scorer()
     ws = [worker(f"w{i}") for i in range(5)]
-    assert s.rank("m", ws, 100, chain(6, first=77), limit=1)[0].cost == pytest.approx(100 * per_token())
+    assert s.rank("m", ws, 100, chain(6, first=77), limit=1, now=5.0)[0].cost == pytest.approx(100 * per_token())
     ws[0].on_heartbeat(Lease("w0", "m", "h", 1, 16, ts=5.0, queued_prefill_tokens=10_000, **RATES))
     for w in ws[1:]:
-        w.credit("r", 10_000, now=1.0)
-    (best,) = s.rank("m", ws, 100, chain(6, first=77), limit=1)     # the credits count: w0 is least bad
+        w.credit("r", 10_000, now=5.0)
+    (best,) = s.rank("m", ws, 100, chain(6, first=77), limit=1, now=5.0)     # the credits count: w0 is least bad
     assert best.worker is ws[0] and best.cost == pytest.approx(10_100 * per_token())
     ws[1].on_heartbeat(Lease("w1", "m", "h", 1, 16, ts=6.0, **RATES))      # w1's report counts its credit...
     ws[1].finish("r", now=6.5)                                             # ...which then ends
     ws[1].on_heartbeat(Lease("w1", "m", "h", 1, 16, ts=7.0, **RATES))
-    (best,) = s.rank("m", ws, 100, chain(6, first=77), limit=1)
+    (best,) = s.rank("m", ws, 100, chain(6, first=77), limit=1, now=7.0)
     assert best.worker is ws[1] and best.cost == pytest.approx(100 * per_token())
 
 

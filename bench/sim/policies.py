@@ -58,7 +58,7 @@ class RouterPolicy:
         """(worker index, wall ns, this thread's CPU ns) for one decision."""
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         model, workers = self.service.candidates(MODEL)
-        ranked, hashes = self.service.rank(model, workers, self._request, req.prompt)
+        ranked, hashes = self.service.rank(model, workers, self._request, req.prompt, now)
         best = ranked[0]
         self.service.claim(best, req.rid, len(req.prompt), hashes, now, now)
         wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
@@ -129,14 +129,15 @@ class OraclePolicy:
         states, overlap = [], {}
         for i, w in enumerate(self.workers):
             st, c = w.stats(), w.cost
-            # Exact load and the exact step-time model, where the router has reports and fits.
+            # Exact load and the exact step-time model, where the router has reports and fits; the
+            # state is as of now, so nothing of it has drained yet.
             lease = rs.Lease(f"sim-{i}", MODEL, "-", 0, self.block_size, st.num_blocks, st.running, st.waiting,
                              st.queued_prefill_tokens, st.kv_usage, st.free_blocks,
                              prefill_tps=1 / c.prefill_token_s, decode_tps=1 / c.decode_seq_s, step_s=c.base_s,
-                             max_batched_tokens=w.max_batched_tokens)
+                             max_batched_tokens=w.max_batched_tokens, ts=now)
             states.append(WorkerState(lease))
             overlap[lease.worker_id] = w.cached_prefix_tokens(req) // self.block_size
-        best = self.scorer.rank_overlap(MODEL, states, len(req.prompt), overlap, limit=1)[0]
+        best = self.scorer.rank_overlap(MODEL, states, len(req.prompt), overlap, limit=1, now=now)[0]
         return int(best.worker.id.rsplit("-", 1)[1]), 0, 0
 
     def on_first_token(self, req, now: float) -> None:
