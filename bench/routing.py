@@ -5,8 +5,9 @@
 For each workload, cluster size and policy, simulated workers (bench/sim/worker.py: continuous
 batching, paged KV, LRU prefix cache) publish through gpu_worker.publisher.Publisher to a
 redis-server started here (or --redis-url), and the router's own Cluster / BlockIndex / Scorer
-read it back and decide. The oracle decides with exact, undelayed state (cache, load and the
-simulated GPU's true speed) and the same cost formula (router/scoring.py).
+read it back and decide. The oracle decides with exact, undelayed state (cache, load, the
+simulated GPU's true speed and the time until its queued prefill is computed) and the same cost
+formula (router/scoring.py).
 
 Figures: token-weighted prefix hit rate and its ratio to the oracle's; regret = prefill that a
 worker already holding more of the prompt would have saved / prefill paid; imbalance = max/mean
@@ -49,7 +50,8 @@ FORMULAS = {
     "round_robin": "next worker in turn",
     "least_loaded": "load + excess + prefill(P), from leases, load events and in-flight credits",
     "prefix_aware": "load + excess + prefill(P - C), C = cached prefix in the router's index",
-    "oracle": "prefix_aware's cost on every worker's exact cache, load and speed, undelayed",
+    "oracle": "prefix_aware's cost on every worker's exact cache, load, speed and time to drain its queued "
+              "prefill (the step under way included), undelayed",
     "v1_tokens": "v1 (token units): P - C + queued prefill + 4 * (running + waiting + in flight) + kv_penalty",
 }
 

@@ -7,8 +7,9 @@ and the Cluster's sync steps run at simulated-time ticks instead of in its backg
 Credits, first tokens and ends are stamped with simulated time, the clock the simulated
 workers' reports carry (bench/sim/bus.py).
 
-OraclePolicy sees every simulated worker's exact cache and load at the moment of decision and
-applies the router's own cost formula to them, so the gap between the two is the price of the
+OraclePolicy sees every simulated worker's exact cache and load at the moment of decision (its
+queue as the exact time until the last queued prompt token is computed) and applies the
+router's own cost formula to them, so the gap between the two is the price of the
 router's delayed, summarised view rather than of a different formula.
 """
 from __future__ import annotations
@@ -130,9 +131,13 @@ class OraclePolicy:
         for i, w in enumerate(self.workers):
             st, c = w.stats(), w.cost
             # Exact load and the exact step-time model, where the router has reports and fits; the
-            # state is as of now, so nothing of it has drained yet.
+            # queue as the exact time until its last token is computed (the step under way
+            # included), in the tokens of the formula, which the router can only estimate.
+            per_token = c.prefill_token_s + (c.base_s + (st.running + st.waiting) * c.decode_seq_s) \
+                / w.max_batched_tokens
+            queued = round(w.queued_prefill_s(now, st.running + st.waiting) / per_token)
             lease = rs.Lease(f"sim-{i}", MODEL, "-", 0, self.block_size, st.num_blocks, st.running, st.waiting,
-                             st.queued_prefill_tokens, st.kv_usage, st.free_blocks,
+                             queued, st.kv_usage, st.free_blocks,
                              prefill_tps=1 / c.prefill_token_s, decode_tps=1 / c.decode_seq_s, step_s=c.base_s,
                              max_batched_tokens=w.max_batched_tokens, ts=now)
             states.append(WorkerState(lease))

@@ -111,6 +111,7 @@ class Simulation:
         dt = self.workers[w].plan_step()
         self.workers[w].busy = dt > 0
         if dt > 0:
+            self.workers[w].step_end = now + dt
             self.busy_s[w] += dt
             self._push(now + dt, "step", w)
 

@@ -68,6 +68,7 @@ class SimWorker:
         self.running: list[SimRequest] = []
         self.plan: list[tuple[SimRequest, int]] = []   # this step's prefill chunks
         self.busy = False
+        self.step_end = 0.0                    # when the step under way ends (simulated time)
         self._events: list[tuple[str, bytes]] = []
         self.queries = self.hits = self.prompt_tokens = self.generation_tokens = self.evictions = 0
         self.num_steps, self.step_seconds = 0, 0.0
@@ -76,6 +77,19 @@ class SimWorker:
     def cached_prefix_tokens(self, req: SimRequest) -> int:
         """Prompt tokens of `req` this worker would find cached right now (the oracle's view)."""
         return self._hit_blocks(req) * self.block_size
+
+    def queued_prefill_s(self, now: float, decoding: int) -> float:
+        """Exact seconds until every prompt token queued now is computed (the oracle's view): the
+        step under way first, then the rest in full steps of the cost model."""
+        queued = sum(len(r.prompt) - r.computed for r in self.running) + sum(len(r.prompt) for r in self.waiting)
+        if not queued:
+            return 0.0
+        c = self.cost
+        per_token = c.prefill_token_s + (c.base_s + decoding * c.decode_seq_s) / self.max_batched_tokens
+        if not self.busy:
+            return queued * per_token
+        planned = sum(n for _, n in self.plan)
+        return max(self.step_end - now, 0.0) + (queued - planned) * per_token
 
     def stats(self) -> SimStats:
         free = self.free + len(self.lru)
