@@ -45,6 +45,7 @@ decision: a decision at 1,000 workers costs little more than at 32.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import operator
 import random
@@ -74,6 +75,8 @@ DEFAULT_OUTPUT_TOKENS = 128
 # workers as idle and piled sessions onto them: multi_turn at 32 workers, 0.934 of the oracle's
 # hit rate and busy imbalance 1.23; at 0, 0.972 and 1.16.)
 GONE_GRACE_S = 0.0
+# Up to this many workers the cheapest few are picked in Python, past it by numpy's partition.
+_SMALL = 64
 INF = float("inf")
 
 
@@ -98,6 +101,9 @@ class WorkerState:
     # counts one as running (and before its first token, its prefill as queued), so it is taken off.
     counted: dict[str, Credit] = field(default_factory=dict)
     gone: dict[str, Credit] = field(default_factory=dict)
+    # The counted ones whose first token came after the report: kept apart so that figures()
+    # looks at these few, not at every request the worker runs.
+    prefilled: dict[str, Credit] = field(default_factory=dict)
     _memo: tuple[float, float, float, float, float, float] | None = field(default=None, repr=False)   # figures()
     _sink: set | None = field(default=None, repr=False)     # a scorer's set of workers to refresh
 
@@ -123,9 +129,14 @@ class WorkerState:
 
     def prefill_done(self, request_id: str, now: float = 0.0) -> None:
         """First token out: its prefill no longer waits, but it decodes until it finishes."""
-        c = self.credits.get(request_id) or self.counted.get(request_id)
+        c = self.credits.get(request_id)
         if c:
-            self.credit_prefill -= c.prefill_tokens if request_id in self.credits else 0
+            self.credit_prefill -= c.prefill_tokens
+        else:
+            c = self.counted.get(request_id)
+            if c and self.lease.ts < now:
+                self.prefilled[request_id] = c
+        if c:
             c.prefill_tokens, c.first_at = 0, now
             self._changed()
 
@@ -136,6 +147,7 @@ class WorkerState:
             self.credit_prefill -= c.prefill_tokens
             self._changed()
         self.counted.pop(request_id, None)
+        self.prefilled.pop(request_id, None)
 
     def finish(self, request_id: str, now: float) -> None:
         """The request's stream ended: it no longer loads the worker, reported or not."""
@@ -144,6 +156,7 @@ class WorkerState:
             self.credit_prefill -= c.prefill_tokens
         else:
             c = self.counted.pop(request_id, None)
+            self.prefilled.pop(request_id, None)
         if c:
             c.ended_at = now
             self.gone[request_id] = c
@@ -156,8 +169,11 @@ class WorkerState:
         if lease.ts < self.lease.ts:
             return
         self.lease = lease
+        self.prefilled = {k: c for k, c in self.prefilled.items() if lease.ts < c.first_at}
         for k in [k for k, c in self.credits.items() if c.sent_at < lease.ts]:
-            self.counted[k] = self.credits.pop(k)
+            c = self.counted[k] = self.credits.pop(k)
+            if lease.ts < c.first_at < INF:
+                self.prefilled[k] = c
         self.credit_prefill = sum(c.prefill_tokens for c in self.credits.values())
         # A report stamped after the end no longer counts it (GONE_GRACE_S).
         self.gone = {k: c for k, c in self.gone.items() if c.ended_at + GONE_GRACE_S >= lease.ts}
@@ -190,10 +206,9 @@ class WorkerState:
         # A report taken before a request's first token counts its prefill as queued; once the
         # first token is out that prefill is done, though no load event says so (only running
         # and waiting send one) until the next heartbeat.
-        for c in self.counted.values():
-            if ls.ts < c.first_at < INF:
-                ended_prefill += c.prompt_tokens
-                since = max(since, c.first_at)
+        for c in self.prefilled.values():
+            ended_prefill += c.prompt_tokens
+            since = max(since, c.first_at)
         decoding = max(0, ls.running + ls.waiting + len(self.credits) - ended)
         per_token = 1.0 / rp + (s + decoding / rd) / b
         queued = max(0, ls.queued_prefill_tokens - ended_prefill)
@@ -293,28 +308,36 @@ class Scorer:
         f = self._figures(model, workers)
         n = len(workers)
         o = min(self.output_tokens, max_output) if max_output else self.output_tokens
-        now = time.time() if now is None else now
-        load = np.minimum(np.maximum(f.drain_at - now, 0.0), f.queued_s) + f.kv + o * f.per_output
+        # In place where it can be: at 32 workers each numpy call costs more than its arithmetic.
+        load = f.drain_at - (time.time() if now is None else now)
+        np.maximum(load, 0.0, out=load)
+        np.minimum(load, f.queued_s, out=load)
+        load += f.kv
+        load += o * f.per_output
         mean = float(load.sum()) / n        # load.mean(), without its Python-level wrapper
-        excess = np.maximum(load - np.maximum(self.balance * mean, mean + f.full_step), 0.0)
-        uncached = np.full(n, float(prompt_len))
+        excess = load - np.maximum(mean + f.full_step, self.balance * mean)
+        np.maximum(excess, 0.0, out=excess)
+        excess += load
+        excess += prompt_len * f.per_token
+        cost = excess
         cached: dict[int, int] = {}
         for wid, blocks in overlap.items():
             i = f.position.get(wid)
             if i is not None:
                 cached[i] = min(blocks * block, cap)
                 if self.policy == "prefix_aware":
-                    uncached[i] -= cached[i]
-        cost = load + excess + uncached * f.per_token
+                    cost[i] -= cached[i] * f.per_token[i]
         k = n if limit is None else min(limit, n)
-        if k < n:       # the k cheapest, and everything tied with the k-th, go to the random tie-break
+        rand = self.rng.random
+        if n <= _SMALL:
+            costs = cost.tolist()
+            kth = heapq.nsmallest(k, costs)[-1]
+            tied = [(c, rand(), i) for i, c in enumerate(costs) if c <= kth]
+        else:           # the k cheapest, and everything tied with the k-th, go to the random tie-break
             kth = np.partition(cost, k - 1)[k - 1]
             pick = np.flatnonzero(cost <= kth)
-        else:
-            pick = np.arange(n)
-        rand = self.rng.random
-        best = sorted((c, rand(), i) for c, i in zip(cost[pick].tolist(), pick.tolist()))[:k]
-        return [Choice(workers[i], c, cached.get(i, 0)) for c, _, i in best]
+            tied = [(c, rand(), i) for c, i in zip(cost[pick].tolist(), pick.tolist())]
+        return [Choice(workers[i], c, cached.get(i, 0)) for c, _, i in sorted(tied)[:k]]
 
     def _figures(self, model: str, workers: list[WorkerState]) -> _Figures:
         f = self._by_model.get(model)

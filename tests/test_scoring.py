@@ -147,6 +147,12 @@ def test_a_first_token_takes_its_prefill_off_a_report_taken_before_it():
     # A report taken after the first token does not count r1's prefill: what it queues is another's.
     w.on_heartbeat(Lease("a", "m", "h", 1, 16, ts=10.4, running=1, queued_prefill_tokens=100, **RATES))
     assert w.load_cost() == pytest.approx(100 * per_token(1) + one)
+    # Nor when the report comes after the first token but was taken before it.
+    v = worker("b")
+    v.credit("r1", 100, now=10.0)
+    v.prefill_done("r1", now=10.3)
+    v.on_heartbeat(Lease("b", "m", "h", 1, 16, ts=10.1, running=1, queued_prefill_tokens=100, **RATES))
+    assert not v.credits and v.load_cost() == pytest.approx(one)
 
 
 def test_queued_prefill_drains_between_reports():
