@@ -180,9 +180,12 @@ class BlockIndex:
 
     def _evict(self) -> None:
         owners, alone = self._owners, self._alone
-        for _ in range(len(owners) - self.max_blocks):
-            h, m = owners.popitem(last=False)
-            one = alone.get(m)
+        n = len(owners) - self.max_blocks
+        if n <= 0:
+            return
+        pop, lone = owners.popitem, alone.get
+        for h, m in map(pop, repeat(False, n)):
+            one = lone(m)
             if one is not None:
                 one.pop(h, None)
                 continue
