@@ -43,6 +43,11 @@ class Cluster:
         self.redis_url, self.index = redis_url, index
         self.lease_poll_s, self.resync_retry_s, self.reconnect_grace_s = lease_poll_s, resync_retry_s, reconnect_grace_s
         self.workers: dict[str, WorkerState] = {}
+        # Each model's workers, rebuilt only when a worker joins, leaves, or changes its model or
+        # tokenizer (`version` counts those changes): every request asks, and at 1,000 workers a
+        # scan of them all was a tenth of a decision.
+        self._by_model: dict[str, list[WorkerState]] | None = None
+        self.version = 0
         self.cursors: dict[str, str] = {}        # model -> last stream id read
         self.load_cursors: dict[str, str] = {}   # model -> last load stream id read
         self.connected = False
@@ -63,10 +68,29 @@ class Cluster:
         self._warned: set[str] = set()
 
     def live(self, model: str) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.lease.model == model]
+        """The model's workers (a shared list: not to be changed by the caller)."""
+        return self._grouped().get(model, [])
 
     def models(self) -> list[str]:
-        return sorted({w.lease.model for w in self.workers.values()})
+        return list(self._grouped())
+
+    def _grouped(self) -> dict[str, list[WorkerState]]:
+        if self._by_model is None:
+            groups: dict[str, list[WorkerState]] = {}
+            for w in self.workers.values():
+                groups.setdefault(w.lease.model, []).append(w)
+            self._by_model = dict(sorted(groups.items()))
+        return self._by_model
+
+    def _membership_changed(self) -> None:
+        self._by_model = None
+        self.version += 1
+
+    def _report(self, w: WorkerState, lease: rs.Lease) -> None:
+        before = w.lease
+        w.on_heartbeat(lease)
+        if (w.lease.model, w.lease.tokenizer_digest) != (before.model, before.tokenizer_digest):
+            self._membership_changed()
 
     def healthy(self, stale_after_s: float = 5.0) -> bool:
         """The view is current: a full round (leases and streams) finished within stale_after_s."""
@@ -175,7 +199,7 @@ class Cluster:
     def _upsert(self, lease: rs.Lease) -> None:
         w = self.workers.get(lease.worker_id)
         if w is not None and w.lease.epoch == lease.epoch:
-            w.on_heartbeat(lease)
+            self._report(w, lease)
             return
         if not self._confirmed(lease):
             return                              # not yet (or never): the current view stays
@@ -186,6 +210,7 @@ class Cluster:
             log.info("router: worker %s joined (%s, model %s)", lease.worker_id, lease.address, lease.model)
         self._epochs[lease.worker_id] = lease.epoch
         self.workers[lease.worker_id] = WorkerState(lease)
+        self._membership_changed()
 
     def _confirmed(self, lease: rs.Lease) -> bool:
         """Whether a new (worker id, epoch) may be taken: at once without `verify`, else once
@@ -210,6 +235,7 @@ class Cluster:
 
     def _drop(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
+        self._membership_changed()
         self.index.drop_worker(worker_id)
         self.on_worker_gone(worker_id)
 
@@ -278,7 +304,7 @@ class Cluster:
             return
         w = self.workers.get(lease.worker_id)
         if w is not None and w.lease.epoch == lease.epoch:
-            w.on_heartbeat(lease)
+            self._report(w, lease)
 
     def _apply(self, fields: dict, only: str | None = None) -> None:
         try:

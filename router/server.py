@@ -100,6 +100,8 @@ class RouterService(pb_grpc.GenerationServicer):
         self._pin_locks: dict[str, asyncio.Lock] = {}
         self._known_models: set[str] = set()
         self._warned: set[tuple[str, str]] = set()
+        # model -> (pinned digest, cluster version, its workers, those with that digest)
+        self._same: dict[str, tuple[str, int | None, list[WorkerState], list[WorkerState]]] = {}
         cluster.on_worker_gone = self._forget_worker
 
     # -- Generation -------------------------------------------------------------------------
@@ -356,8 +358,16 @@ class RouterService(pb_grpc.GenerationServicer):
 
     def _same_tokenizer(self, model: str, workers: list[WorkerState], pin: _Pin) -> list[WorkerState]:
         """Workers whose advertised tokenizer is not the pinned one would see other token ids
-        than the router hashed (and than the client meant): not routed to, logged once."""
+        than the router hashed (and than the client meant): not routed to, logged once. Kept
+        until the cluster's membership or a worker's tokenizer changes (a scan per request was
+        most of a decision's cost at 1,000 workers that the index and ranking do not have)."""
+        version = getattr(self.cluster, "version", None)
+        cached = self._same.get(model)
+        if cached is not None and version is not None and cached[2] is workers \
+                and cached[:2] == (pin.digest, version):
+            return cached[3]
         same = [w for w in workers if w.lease.tokenizer_digest == pin.digest]
+        self._same[model] = (pin.digest, version, workers, same)
         for w in workers:
             if w.lease.tokenizer_digest != pin.digest and (w.id, w.lease.tokenizer_digest) not in self._warned:
                 self._warned.add((w.id, w.lease.tokenizer_digest))

@@ -158,3 +158,36 @@ def test_circuit_breaker_opens_half_opens_and_backs_off():
     assert not br.allow("w", now=3.0) and br.allow("w", now=3.6)
     br.success("w")
     assert br.allow("w", now=3.7) and not br.is_open("w", now=3.7)
+
+
+def test_cluster_groups_by_model_follow_joins_leaves_and_changes():
+    from types import SimpleNamespace
+
+    from protos.redis_schema import Lease
+    from router.cluster import Cluster
+    from router.server import RouterService, _Pin
+
+    cluster = Cluster("redis://unused", BlockIndex())       # nothing here talks to Redis
+
+    def report(wid, model="m", digest="d1", epoch=1, ts=1.0):
+        cluster._upsert(Lease(wid, model, f"h:{wid}", epoch, 16, ts=ts, tokenizer_digest=digest))
+
+    report("a")
+    report("b")
+    report("c", model="other")
+    assert [w.id for w in cluster.live("m")] == ["a", "b"] and cluster.models() == ["m", "other"]
+    assert cluster.live("m") is cluster.live("m")           # one list, kept until something changes
+    service = RouterService(cluster, None, None)  # type: ignore[arg-type]
+    pin = _Pin("d1", SimpleNamespace(), None)  # type: ignore[arg-type]
+    assert [w.id for w in service._same_tokenizer("m", cluster.live("m"), pin)] == ["a", "b"]
+    report("b", digest="d2", ts=2.0)                         # b now advertises another tokenizer
+    assert [w.id for w in service._same_tokenizer("m", cluster.live("m"), pin)] == ["a"]
+    report("a", model="other", ts=2.0)                       # a moves to another model
+    assert [w.id for w in cluster.live("m")] == ["b"] and {w.id for w in cluster.live("other")} == {"a", "c"}
+    report("d")
+    cluster._drop("b")
+    assert [w.id for w in cluster.live("m")] == ["d"]
+    report("d", epoch=2, ts=3.0)                             # a restart is a new WorkerState
+    assert cluster.live("m")[0] is cluster.workers["d"] and cluster.live("m")[0].lease.epoch == 2
+    cluster._drop("d")
+    assert cluster.live("m") == [] and cluster.models() == ["other"]
