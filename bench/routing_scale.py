@@ -7,10 +7,12 @@ Per cluster size: a BlockIndex holding --blocks block hashes (unrelated blocks, 
 prefixes, a tenth of the blocks, each cached on one to three workers and the most recently
 used), and one WorkerState per worker with a lease of random load and speed. Each decision's
 prompt is a shared prefix plus fresh tokens. A decision is what the router's Generate does
-before it opens the upstream stream: RouterService.rank (hash the prompt's blocks, walk the
-index, rank every live worker), then RouterService.claim (credit the winner, record its prefix
-speculatively; the index stays at its bound, so every decision also evicts). Leases are renewed
-every 100 decisions, outside the timing, as heartbeats would. The heap is frozen as Router.start
+before it opens the upstream stream, on the router's own Cluster (its leases put in as the
+Redis sync would): RouterService.candidates and the tokenizer-pinned filter (the model's live
+workers), RouterService.rank (hash the prompt's blocks, walk the index, rank every live
+worker), then RouterService.claim (credit the winner, record its prefix speculatively; the
+index stays at its bound, so every decision also evicts). Leases are renewed every 100
+decisions, outside the timing, as heartbeats would. The heap is frozen as Router.start
 freezes it, and the bench's own token lists are kept out of the collector's walk.
 
 Figures: decision p50/p99 as this thread's CPU time and as wall time; decisions/s = 1 / mean
@@ -34,25 +36,12 @@ from protos.block_hash import block_hashes, namespace_root  # noqa: E402
 from protos.heap import freeze_heap  # noqa: E402
 from protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
 from protos.redis_schema import Lease  # noqa: E402
+from router.cluster import Cluster  # noqa: E402
 from router.index import BlockIndex  # noqa: E402
-from router.scoring import Scorer, WorkerState  # noqa: E402
-from router.server import RouterService  # noqa: E402
+from router.scoring import Scorer  # noqa: E402
+from router.server import RouterService, _Pin  # noqa: E402
 
-MODEL, BLOCK = "scale-model", 16
-
-
-class _Cluster:
-    """The two things RouterService asks of a Cluster, for workers built here."""
-
-    def __init__(self, workers: list[WorkerState]):
-        self.workers = {w.id: w for w in workers}
-        self.on_worker_gone = None
-
-    def models(self) -> list[str]:
-        return [MODEL]
-
-    def live(self, model: str) -> list[WorkerState]:
-        return list(self.workers.values())
+MODEL, BLOCK, DIGEST = "scale-model", 16, "0" * 32
 
 
 def lease(i: int, rng: random.Random, ts: float) -> Lease:
@@ -61,7 +50,7 @@ def lease(i: int, rng: random.Random, ts: float) -> Lease:
                  queued_prefill_tokens=rng.randint(0, 16384), kv_usage=rng.uniform(0.2, 0.95),
                  free_blocks=4096, ts=ts, prefill_tps=rng.uniform(8000, 20000),
                  decode_tps=rng.uniform(2000, 6000), step_s=rng.uniform(0.004, 0.008), max_batched_tokens=4096,
-                 name=f"pod-{i}")
+                 name=f"pod-{i}", tokenizer_digest=DIGEST)
 
 
 def fill(index: BlockIndex, num_workers: int, num_blocks: int, rng: random.Random, root: bytes):
@@ -94,9 +83,12 @@ def measure(num_workers: int, num_blocks: int, decisions: int, seed: int) -> dic
     prefix_bytes = sum(sys.getsizeof(t) + 28 * len(t) + sys.getsizeof(h) + 49 * len(h) for t, h in prefixes)
     index_bytes = tracemalloc.get_traced_memory()[0] - base - prefix_bytes
     tracemalloc.stop()
-    workers = [WorkerState(lease(i, rng, time.time())) for i in range(num_workers)]
-    cluster = _Cluster(workers)
+    cluster = Cluster("redis://unused", index)      # filled here as its Redis sync would fill it
+    now = time.time()
+    for i in range(num_workers):
+        cluster._upsert(lease(i, rng, now))
     service = RouterService(cluster, Scorer("prefix_aware", index, random.Random(seed)), None)  # type: ignore[arg-type]
+    pin = _Pin(DIGEST, pb.ModelInfoResponse(model=MODEL), None)
     request = pb.GenerateRequest()
     # Every prompt is new past its shared prefix, as a user's turn is.
     prompts = [rng.choice(prefixes)[0] + [rng.randrange(1, 32000) for _ in range(rng.randint(16, 512))]
@@ -108,11 +100,12 @@ def measure(num_workers: int, num_blocks: int, decisions: int, seed: int) -> dic
     for k in range(decisions):
         if k % 100 == 0:
             now = time.time()
-            for i, w in enumerate(workers):
-                w.on_heartbeat(lease(i, rng, now))
+            for i in range(num_workers):
+                cluster._upsert(lease(i, rng, now))
         ids = prompts[k]
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         model, live = service.candidates(MODEL)
+        live = service._same_tokenizer(model, live, pin)
         ranked, hashes = service.rank(model, live, request, ids)
         service.claim(ranked[0], f"r{k}", len(ids), hashes)
         c1, t1 = time.thread_time_ns(), time.perf_counter_ns()
