@@ -70,3 +70,20 @@ def test_backends_quick(tmp_path):
     out = run_script("backends.py", "--model-dir", str(tmp_path / "model"), "--requests", "2", "--rounds", "1")
     ratio = [ln for ln in out.splitlines() if ln.startswith("native / transformers:")]
     assert len(ratio) == 1 and float(ratio[0].split()[-1].rstrip("x")) > 0
+
+
+@pytest.mark.timeout(120)
+def test_overhead_small(tmp_path):
+    """bench/overhead.py at 8 requests, two rounds: both systems produce every token, greedy
+    ids mostly agree, and the per-step split adds up."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "overhead.py"), "--requests", "8",
+                           "--rounds", "2", "--model-dir", str(tmp_path / "model")],
+                          cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["mode"]: r for r in table_rows(proc.stdout, "requests")}
+    assert set(rows) == {"greedy", "top-p"}
+    for r in rows.values():
+        assert float(r["pagoda tok/s"].replace(",", "")) > 0 and float(r["ratio"].rstrip("x")) > 0
+        parts = sum(float(r[k]) for k in ("schedule ms", "prepare ms", "sample ms", "outputs ms"))
+        assert abs(parts - float(r["outside forward ms"])) < 0.05
+    assert pct(rows["greedy"]["greedy ids equal"]) >= 50
