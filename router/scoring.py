@@ -40,8 +40,10 @@ ratio of small loads says nothing). least_loaded is the same cost with C = 0; ro
 rotates. Ties break at random.
 
 The cost is evaluated for all of a model's workers at once over numpy arrays of each worker's
-figures, which are recomputed only for workers whose report or credits changed since the last
-decision: a decision at 1,000 workers costs little more than at 32.
+figures. A report rewrites its worker's row where the Redis sync applies it; credits, first
+tokens and ends mark the row for the next decision to recompute. A decision thus recomputes only
+the few workers this router itself touched since the last one, however many reports came in: at
+1,000 workers it costs little more than at 32.
 """
 from __future__ import annotations
 
@@ -105,12 +107,12 @@ class WorkerState:
     # looks at these few, not at every request the worker runs.
     prefilled: dict[str, Credit] = field(default_factory=dict)
     _memo: tuple[float, float, float, float, float, float] | None = field(default=None, repr=False)   # figures()
-    _sink: set | None = field(default=None, repr=False)     # a scorer's set of workers to refresh
+    _table: _Figures | None = field(default=None, repr=False)   # the scorer's arrays this worker is a row of
 
     def _changed(self) -> None:
         self._memo = None
-        if self._sink is not None:
-            self._sink.add(self)
+        if self._table is not None:
+            self._table.dirty.add(self)
 
     @property
     def id(self) -> str:
@@ -177,7 +179,11 @@ class WorkerState:
         self.credit_prefill = sum(c.prefill_tokens for c in self.credits.values())
         # A report stamped after the end no longer counts it (GONE_GRACE_S).
         self.gone = {k: c for k, c in self.gone.items() if c.ended_at + GONE_GRACE_S >= lease.ts}
-        self._changed()
+        # Written through at once: reports come from the Redis sync, and a lease poll renews every
+        # worker together, which left to the next decision made that one refresh them all.
+        self._memo = None
+        if self._table is not None:
+            self._table.write(self)
 
     def rates(self) -> tuple[float, float, float, int]:
         """(Rp, Rd, s, B) as reported, or the defaults where the worker has not measured them."""
@@ -234,7 +240,9 @@ class WorkerState:
 
 
 class _Figures:
-    """One model's workers as arrays of figures(), refreshed only where a worker changed."""
+    """One model's workers as arrays of figures(). A report writes its worker's row when it is
+    applied (WorkerState.on_heartbeat); the router's own changes (credits, first tokens, ends) mark
+    the row dirty and the next decision refreshes those few."""
 
     def __init__(self, workers: list[WorkerState]):
         self.workers = list(workers)
@@ -244,18 +252,21 @@ class _Figures:
         (self.drain_at, self.queued_s, self.kv, self.per_output, self.per_token,
          self.full_step) = (cols[:, i].copy() for i in range(6))
         for w in workers:
-            w._sink = self.dirty
+            w._table = self
 
     def matches(self, workers: list[WorkerState]) -> bool:
         return len(workers) == len(self.workers) and all(map(operator.is_, workers, self.workers))
 
+    def write(self, w: WorkerState) -> None:
+        i = self.position.get(w.id)
+        if i is not None and self.workers[i] is w:
+            (self.drain_at[i], self.queued_s[i], self.kv[i], self.per_output[i], self.per_token[i],
+             self.full_step[i]) = w.figures()
+        self.dirty.discard(w)
+
     def refresh(self) -> None:
-        for w in self.dirty:
-            i = self.position.get(w.id)
-            if i is not None and self.workers[i] is w:
-                (self.drain_at[i], self.queued_s[i], self.kv[i], self.per_output[i], self.per_token[i],
-                 self.full_step[i]) = w.figures()
-        self.dirty.clear()
+        for w in list(self.dirty):
+            self.write(w)
 
 
 @dataclass

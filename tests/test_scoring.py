@@ -246,6 +246,23 @@ def test_figures_follow_changes_between_decisions():
     assert best.worker is ws[1] and best.cost == pytest.approx(100 * per_token())
 
 
+def test_a_report_is_written_where_it_is_applied_and_a_decision_refreshes_only_its_own_changes(monkeypatch):
+    s = scorer()
+    ws = [worker(f"w{i}") for i in range(4)]
+    s.rank("m", ws, 100, chain(6, first=77), now=5.0)
+    for i, w in enumerate(ws):                      # a lease poll renews every worker
+        w.on_heartbeat(Lease(w.id, "m", "h", 1, 16, ts=5.0, queued_prefill_tokens=1000 * (4 - i), **RATES))
+    ws[0].credit("r", 5000, now=5.0)
+    calls = []
+    real = WorkerState.figures
+    monkeypatch.setattr(WorkerState, "figures", lambda self: calls.append(self.id) or real(self))
+    ranked = s.rank("m", ws, 100, chain(6, first=77), now=5.0)
+    assert calls == ["w0"]                          # the credit, not the four reports
+    assert [c.worker.id for c in ranked] == ["w3", "w2", "w1", "w0"]
+    assert ranked[0].cost == pytest.approx(1100 * per_token())
+    assert ws[0].load_cost(now=5.0) == pytest.approx(9000 * per_token(1) + DECODE_SHARE * DEFAULT_OUTPUT_TOKENS / 1000)
+
+
 def test_claim_credits_the_choice_and_speculates_past_what_it_holds():
     from types import SimpleNamespace
 
