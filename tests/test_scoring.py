@@ -42,7 +42,7 @@ def test_cost_is_the_documented_formula():
 def test_a_hot_prefix_stays_until_its_holders_queue_makes_a_cold_prefill_elsewhere_faster():
     idx, h = BlockIndex(), chain(8)                     # 128 tokens cached on a; prompt of 130
     idx.add("a", h)
-    s = scorer(idx=idx)
+    s = scorer(idx=idx, balance=100.0)                 # the saving against the queue alone
     a, b = worker("a", queued_prefill_tokens=127), worker("b")
     ranked = s.rank("m", [a, b], 130, h, now=0.0)
     assert [c.worker.id for c in ranked] == ["a", "b"] and ranked[0].cached_tokens == 128
@@ -71,6 +71,23 @@ def test_a_worker_past_the_balance_bound_pays_its_excess_twice():
     assert scorer(idx=idx, balance=100.0).rank("m", [a] + others, 1601, h, now=0.0)[0].worker.id == "a"
     with pytest.raises(ValueError, match="balance"):
         scorer(balance=0.5)
+
+
+def test_the_balance_bound_is_a_ratio_of_the_mean_however_small_the_loads():
+    # Chat-like: decode loads of tens of ms, far under one full prefill step (0.115 s here), and a
+    # cached history worth more than the holder's extra load. A floor in absolute time would let
+    # the holder keep every turn at 2.5x the mean; the ratio holds it to 1.5x.
+    idx, h = BlockIndex(), chain(10)                    # 160 tokens cached on a; prompt of 161
+    idx.add("a", h)
+    a, others = worker("a", running=5), [worker(w, running=1) for w in "bcd"]
+    load_a, load_b = a.load_cost(), others[0].load_cost()
+    mean = (load_a + 3 * load_b) / 4
+    assert load_a == pytest.approx(2.5 * mean) and load_a < mean + 100 * per_token(5)
+    assert load_a + per_token(5) < load_b + 161 * per_token(1)        # unbounded, a would win
+    ranked = scorer(idx=idx).rank("m", [a] + others, 161, h, now=0.0)
+    assert ranked[0].worker.id != "a"
+    a_cost = next(c.cost for c in ranked if c.worker.id == "a")
+    assert a_cost == pytest.approx(load_a + (load_a - 1.5 * mean) + per_token(5))
 
 
 def test_measured_rates_decide_between_workers():
