@@ -39,7 +39,7 @@ saving keeps sending it work. The bound is a ratio with no floor: when every loa
 excess is small too and yields to any real saving, while a floor in absolute time lets a saving
 of any size keep a worker at many times the mean. (A floor of one full prefill step, ~270 ms in
 the bench, was never reached by chat sessions, whose loads are a tenth of it: multi_turn busy
-imbalance 1.24-1.28 at 16-32 workers on three seeds; without it 1.15-1.26.) least_loaded is the
+imbalance 1.24-1.28 at 16-32 workers on seeds 1 and 3; without it 1.15-1.18.) least_loaded is the
 same cost with C = 0; round_robin rotates. Ties break at random.
 
 The cost is evaluated for all of a model's workers at once over numpy arrays of each worker's
