@@ -27,10 +27,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # The server has stopped cleanly by now; skip the interpreter's teardown of torch and grpc
-    # module state, which takes seconds and only delays a rolling restart.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from protos.serving import exit_now
+    exit_now(main())

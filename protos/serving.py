@@ -8,7 +8,10 @@ splitting the traffic.
 """
 from __future__ import annotations
 
+import os
 import socket
+import sys
+import threading
 
 import grpc
 
@@ -17,6 +20,40 @@ import grpc
 CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                     ("grpc.keepalive_permit_without_calls", 1)]
 METRICS_PORT_OFFSET = 10_000
+
+
+class StopDeadline:
+    """Once a server has been told to stop: if it is still alive `seconds` later, one line says
+    which stage it was in, and the process exits with code 1 (a daemon timer thread, so it fires
+    whether the event loop or the interpreter's teardown is the stuck part). Seen here: about one
+    router in ten, stopped together with Redis and its workers, outlived pagoda up's 15 s wait;
+    grpc.aio's asyncio teardown has had such races (grpc/grpc#40989). A supervisor's stop should
+    not wait on that, and the stage named tells the next engineer where to look."""
+
+    def __init__(self, name: str, seconds: float):
+        self.name, self.seconds, self.stage = name, seconds, "stopping"
+        self._timer = threading.Timer(seconds, self._expired)
+        self._timer.daemon = True
+
+    def start(self) -> StopDeadline:
+        self._timer.start()
+        return self
+
+    def _expired(self) -> None:
+        print(f"pagoda {self.name}: shutdown still in '{self.stage}' after {self.seconds:g}s; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def exit_now(code: int) -> None:
+    """End a server process that has stopped cleanly, without the interpreter's teardown of grpc
+    (and torch) module state: it takes seconds, only delays a rolling restart, and is where
+    grpc.aio's shutdown races live."""
+    import logging
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class StartupError(Exception):

@@ -45,7 +45,7 @@ from protos.security import (
     scoped_salt,
     server_credentials,
 )
-from protos.serving import CLIENT_KEEPALIVE, StartupError, bind, check_port_free, server_options
+from protos.serving import CLIENT_KEEPALIVE, StartupError, StopDeadline, bind, check_port_free, server_options
 from protos.tokenization import PromptTokenizer, encode_prompt, prompt_field, tokenizer_digest
 from router.breaker import CircuitBreaker
 from router.cluster import Cluster
@@ -483,14 +483,22 @@ class Router:
                 last = status
             await asyncio.sleep(0.5)
 
-    async def stop(self, grace: float = 2.0) -> None:
+    async def stop(self, grace: float = 2.0, deadline: StopDeadline | None = None) -> None:
+        def stage(name: str) -> None:
+            if deadline is not None:
+                deadline.stage = name
         self._sync_health.cancel()
         await self.health.enter_graceful_shutdown()
         if self.http is not None:
+            stage("HTTP front stop")
             await self.http.stop()
+        stage("gRPC server stop")
         await self.server.stop(grace)
+        stage("closing worker channels")
         await self.service.close()
+        stage("redis sync stop")
         await self.cluster.stop()
+        stage("asyncio teardown")
 
 
 async def _serve(a) -> None:
@@ -508,10 +516,11 @@ async def _serve(a) -> None:
     if router.keyring is not None:
         loop.add_signal_handler(signal.SIGHUP, router.keyring.reload)
     await stop.wait()
-    await router.stop()
+    # grace 2 s for open streams; the rest is bounded calls: 10 s is stuck, not slow.
+    await router.stop(2.0, StopDeadline("router", 10.0).start())
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     from router.args import build_parser
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -519,4 +528,5 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(_serve(a))
     except StartupError as e:       # a taken port, a missing certificate: one line saying what to change
         print(f"pagoda router: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        return 2
+    return 0
