@@ -28,7 +28,7 @@ from protos.limits import Limits, check_fits, check_request
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 from protos.security import AuthInterceptor, KeyRing, identity, scoped_id, scoped_salt, server_credentials
-from protos.serving import StartupError, StopDeadline, bind, check_port_free, server_options
+from protos.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
 from protos.tokenization import PromptTokenizer, encode_prompt
 
 log = logging.getLogger("gpu_worker.server")
@@ -323,23 +323,19 @@ class Worker:
     async def shutdown(self, grace: float, deadline: Optional[StopDeadline] = None) -> None:
         """Stop admissions, let open streams finish for up to `grace` seconds, then stop."""
         assert self.service is not None and self.server is not None, "start() first"
-
-        def stage(name: str) -> None:
-            if deadline is not None:
-                deadline.stage = name
-        stage("draining")
+        at_stage(deadline, "draining")
         await self.service.start_drain()
         finished = await self.service.wait_idle(grace)
         log.info("shutdown: %s", "all streams finished" if finished else "grace period over, cancelling streams")
-        stage("gRPC server stop")
+        at_stage(deadline, "gRPC server stop")
         await self.server.stop(0.5)
-        stage("publisher stop")
+        at_stage(deadline, "publisher stop")
         await self._stop_publisher()
-        stage("engine shutdown")
+        at_stage(deadline, "engine shutdown")
         await self.engine.shutdown()
         if self.metrics is not None:
             self.metrics.stop()
-        stage("asyncio teardown")
+        at_stage(deadline, "asyncio teardown")
         self.stopped.set()
 
     async def fail(self) -> None:

@@ -8,6 +8,7 @@ splitting the traffic.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -45,11 +46,16 @@ class StopDeadline:
         os._exit(1)
 
 
+def at_stage(deadline: StopDeadline | None, stage: str) -> None:
+    """Record the shutdown stage a server enters (what a stuck one's line names)."""
+    if deadline is not None:
+        deadline.stage = stage
+
+
 def exit_now(code: int) -> None:
     """End a server process that has stopped cleanly, without the interpreter's teardown of grpc
     (and torch) module state: it takes seconds, only delays a rolling restart, and is where
     grpc.aio's shutdown races live."""
-    import logging
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

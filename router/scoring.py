@@ -195,11 +195,10 @@ class WorkerState:
                 ls.step_s or DEFAULT_STEP_S, ls.max_batched_tokens or DEFAULT_BATCH_TOKENS)
 
     def figures(self) -> tuple[float, float, float, float, float]:
-        """(drain_at, queued_s, kv_s, per_output, per_token): the time its queued
-        prefill is done (this router's clock), that queue's seconds as counted, undrained; the KV
-        penalty in seconds; the decode term per output token; seconds per prompt token of
-        prefill. At time t, load = clip(drain_at - t, 0,
-        queued_s) + kv_s + O * per_output."""
+        """(drain_at, queued_s, kv_s, per_output, per_token): the time its queued prefill is done
+        (this router's clock), that queue's seconds as counted, undrained; the KV penalty in
+        seconds; the decode term per output token; seconds per prompt token of prefill. At time t,
+        load = clip(drain_at - t, 0, queued_s) + kv_s + O * per_output."""
         if self._memo is not None:
             return self._memo
         rp, rd, s, b = self.rates()

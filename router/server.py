@@ -45,7 +45,7 @@ from protos.security import (
     scoped_salt,
     server_credentials,
 )
-from protos.serving import CLIENT_KEEPALIVE, StartupError, StopDeadline, bind, check_port_free, server_options
+from protos.serving import CLIENT_KEEPALIVE, StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
 from protos.tokenization import PromptTokenizer, encode_prompt, prompt_field, tokenizer_digest
 from router.breaker import CircuitBreaker
 from router.cluster import Cluster
@@ -484,21 +484,18 @@ class Router:
             await asyncio.sleep(0.5)
 
     async def stop(self, grace: float = 2.0, deadline: StopDeadline | None = None) -> None:
-        def stage(name: str) -> None:
-            if deadline is not None:
-                deadline.stage = name
         self._sync_health.cancel()
         await self.health.enter_graceful_shutdown()
         if self.http is not None:
-            stage("HTTP front stop")
+            at_stage(deadline, "HTTP front stop")
             await self.http.stop()
-        stage("gRPC server stop")
+        at_stage(deadline, "gRPC server stop")
         await self.server.stop(grace)
-        stage("closing worker channels")
+        at_stage(deadline, "closing worker channels")
         await self.service.close()
-        stage("redis sync stop")
+        at_stage(deadline, "redis sync stop")
         await self.cluster.stop()
-        stage("asyncio teardown")
+        at_stage(deadline, "asyncio teardown")
 
 
 async def _serve(a) -> None:
