@@ -8,9 +8,9 @@ prefixes, a tenth of the blocks, each cached on one to three workers and the mos
 used), and one WorkerState per worker with a lease of random load and speed. Each decision's
 prompt is a shared prefix plus fresh tokens. A decision is what the router's Generate does
 before it opens the upstream stream, on the router's own Cluster (its leases put in as the
-Redis sync would): RouterService.candidates and the tokenizer-pinned filter (the model's live
-workers), RouterService.rank (hash the prompt's blocks, walk the index, rank every live
-worker), then RouterService.claim (credit the winner, record its prefix speculatively; the
+Redis sync would): Preparer.candidates and the tokenizer-pinned filter (the model's live
+workers), Preparer.hashes (hash the prompt's blocks), Selector.rank (walk the index, rank every
+live worker), then Selector.claim (credit the winner, record its prefix speculatively; the
 index stays at its bound, so every decision also evicts). Leases are renewed every 100
 decisions, outside the timing, as heartbeats would. The heap is frozen as Router.start
 freezes it, and the bench's own token lists are kept out of the collector's walk.
@@ -40,10 +40,13 @@ from protos.block_hash import block_hashes, namespace_root  # noqa: E402
 from protos.heap import freeze_heap  # noqa: E402
 from protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
 from protos.redis_schema import Lease  # noqa: E402
+from router.breaker import CircuitBreaker  # noqa: E402
+from router.channels import WorkerChannels  # noqa: E402
 from router.cluster import Cluster  # noqa: E402
 from router.index import BlockIndex  # noqa: E402
+from router.prepare import Pin, Preparer  # noqa: E402
 from router.scoring import Scorer  # noqa: E402
-from router.server import RouterService, _Pin  # noqa: E402
+from router.selection import Selector  # noqa: E402
 
 MODEL, BLOCK, DIGEST = "scale-model", 16, "0" * 32
 
@@ -91,9 +94,10 @@ def measure(num_workers: int, num_blocks: int, decisions: int, seed: int) -> dic
     now = time.time()
     for i in range(num_workers):
         cluster._upsert(lease(i, rng, now))
-    service = RouterService(cluster, Scorer("prefix_aware", index, random.Random(seed)), None)  # type: ignore[arg-type]
-    pin = _Pin(DIGEST, pb.ModelInfoResponse(model=MODEL), None)
-    request = pb.GenerateRequest()
+    breaker = CircuitBreaker()
+    prepare = Preparer(cluster, WorkerChannels(), breaker)
+    select = Selector(Scorer("prefix_aware", index, random.Random(seed)), breaker)
+    pin = Pin(DIGEST, pb.ModelInfoResponse(model=MODEL), None)
     # Every prompt is new past its shared prefix, as a user's turn is.
     prompts = [rng.choice(prefixes)[0] + [rng.randrange(1, 32000) for _ in range(rng.randint(16, 512))]
                for _ in range(decisions)]
@@ -111,10 +115,11 @@ def measure(num_workers: int, num_blocks: int, decisions: int, seed: int) -> dic
             renew.append((time.thread_time_ns() - c0) / 1000 / num_workers)
         ids = prompts[k]
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        model, live = service.candidates(MODEL)
-        live = service._same_tokenizer(model, live, pin)
-        ranked, hashes = service.rank(model, live, request, ids)
-        service.claim(ranked[0], f"r{k}", len(ids), hashes)
+        model, live = prepare.candidates(MODEL)
+        live = prepare.same_tokenizer(model, live, pin)
+        hashes = prepare.hashes(model, "", "", ids, BLOCK)
+        ranked = select.rank(model, live, len(ids), hashes)
+        select.claim(ranked[0], f"r{k}", len(ids), hashes)
         c1, t1 = time.thread_time_ns(), time.perf_counter_ns()
         cpu.append((c1 - c0) / 1000)
         (steady if k % 100 else renewed).append((c1 - c0) / 1000)

@@ -2,7 +2,7 @@
 
 An aiohttp application on the router's own event loop. A request body becomes a GenerateRequest
 (OpenAI and vLLM parameter names map one to one onto pagoda.v1 SamplingParams), is tokenized and
-length-checked here, then goes through RouterService.generate: the same routing decision, retries
+length-checked here, then goes through Pipeline.generate: the same routing decision, retries
 and upstream gRPC stream as the gRPC front. Worker deltas become an OpenAI response or
 server-sent events. Errors are OpenAI error objects; a gRPC status maps to its HTTP status and
 the `field:` prefix of pagoda's messages names the `param`. A client that goes away cancels the
@@ -20,7 +20,8 @@ import grpc
 from aiohttp import web
 
 from protos.pagoda.v1 import pagoda_pb2 as pb
-from router.server import RouterService, _Reject
+from router.errors import RouterError
+from router.pipeline import Pipeline
 
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
                 grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -50,7 +51,7 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     @classmethod
-    def from_reject(cls, r: _Reject) -> ApiError:
+    def from_reject(cls, r: RouterError) -> ApiError:
         head = r.message.split(":", 1)[0]
         param = head if head.isidentifier() else None
         return cls(_HTTP_STATUS.get(r.code, 500), r.message, _PARAM_ALIASES.get(param or "", param))
@@ -287,7 +288,7 @@ def _chat_lp(t: pb.TokenLogprob) -> dict:
 class OpenAIFront:
     """The aiohttp application and its listening site."""
 
-    def __init__(self, service: RouterService):
+    def __init__(self, service: Pipeline):
         self.service = service
         self.app = web.Application(client_max_size=16 * 2**20)
         self.app.router.add_get("/v1/models", self.models)
@@ -362,7 +363,7 @@ class OpenAIFront:
         async with contextlib.aclosing(self.service.generate(req, None, ident)) as upstream:
             try:
                 first = await anext(upstream)    # errors before the first token get their HTTP status
-            except _Reject as r:
+            except RouterError as r:
                 return ApiError.from_reject(r).response()
             except StopAsyncIteration:
                 return ApiError(503, "no worker answered").response()
@@ -372,7 +373,7 @@ class OpenAIFront:
                 choices.add(first)
                 async for resp in upstream:
                     choices.add(resp)
-            except _Reject as r:
+            except RouterError as r:
                 return ApiError.from_reject(r).response()
         return web.json_response({**head, "choices": [self._choice(kind, choices, i)
                                                        for i in range(len(choices.text))],
@@ -388,7 +389,7 @@ class OpenAIFront:
                            "model", "model_not_found")
         try:
             model, ids, max_len = await self.service.tokenize(req)
-        except _Reject as r:
+        except RouterError as r:
             raise ApiError.from_reject(r) from None
         prompt = "messages" if kind == "chat" else "prompt"
         if len(ids) >= max_len:
@@ -450,7 +451,7 @@ class OpenAIFront:
                     break
             if usage_in_stream:
                 await send({**head, "choices": [], "usage": choices.usage()})
-        except _Reject as r:
+        except RouterError as r:
             await send(ApiError.from_reject(r).body())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -164,8 +164,10 @@ def test_cluster_groups_by_model_follow_joins_leaves_and_changes():
     from types import SimpleNamespace
 
     from protos.redis_schema import Lease
+    from router.breaker import CircuitBreaker
+    from router.channels import WorkerChannels
     from router.cluster import Cluster
-    from router.server import RouterService, _Pin
+    from router.prepare import Pin, Preparer
 
     cluster = Cluster("redis://unused", BlockIndex())       # nothing here talks to Redis
 
@@ -177,11 +179,11 @@ def test_cluster_groups_by_model_follow_joins_leaves_and_changes():
     report("c", model="other")
     assert [w.id for w in cluster.live("m")] == ["a", "b"] and cluster.models() == ["m", "other"]
     assert cluster.live("m") is cluster.live("m")           # one list, kept until something changes
-    service = RouterService(cluster, None, None)  # type: ignore[arg-type]
-    pin = _Pin("d1", SimpleNamespace(), None)  # type: ignore[arg-type]
-    assert [w.id for w in service._same_tokenizer("m", cluster.live("m"), pin)] == ["a", "b"]
+    prepare = Preparer(cluster, WorkerChannels(), CircuitBreaker())
+    pin = Pin("d1", SimpleNamespace(), None)  # type: ignore[arg-type]
+    assert [w.id for w in prepare.same_tokenizer("m", cluster.live("m"), pin)] == ["a", "b"]
     report("b", digest="d2", ts=2.0)                         # b now advertises another tokenizer
-    assert [w.id for w in service._same_tokenizer("m", cluster.live("m"), pin)] == ["a"]
+    assert [w.id for w in prepare.same_tokenizer("m", cluster.live("m"), pin)] == ["a"]
     report("a", model="other", ts=2.0)                       # a moves to another model
     assert [w.id for w in cluster.live("m")] == ["b"] and {w.id for w in cluster.live("other")} == {"a", "c"}
     report("d")

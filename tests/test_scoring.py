@@ -281,32 +281,31 @@ def test_a_report_is_written_where_it_is_applied_and_a_decision_refreshes_only_i
 
 
 def test_claim_credits_the_choice_and_speculates_past_what_it_holds():
-    from types import SimpleNamespace
-
-    from router.server import RouterService
+    from router.breaker import CircuitBreaker
+    from router.selection import Selector
     idx, h = BlockIndex(speculative_ttl_s=5), chain(4)
     idx.add("a", h[:2])                                     # reported: a holds the first two blocks
     a = worker("a")
-    service = RouterService(SimpleNamespace(on_worker_gone=None), scorer(idx=idx), None)  # type: ignore[arg-type]
-    best = service.scorer.rank("m", [a, worker("b")], 4 * 16 + 5, h)[0]
+    select = Selector(scorer(idx=idx), CircuitBreaker())
+    best = select.rank("m", [a, worker("b")], 4 * 16 + 5, h)[0]
     assert best.worker is a and best.cached_tokens == 32
-    service.claim(best, "r1", 4 * 16 + 5, h, sent_at=10.0, now=100.0)
+    select.claim(best, "r1", 4 * 16 + 5, h, sent_at=10.0, now=100.0)
     assert a.credits["r1"].prefill_tokens == 4 * 16 + 5 - 32 and a.credits["r1"].sent_at == 10.0
     assert idx.overlap(h) == {"a": 4} and {x for x, t in idx._by_worker["a"].items() if t is not None} == set(h[2:])
     idx.expire_speculation(now=105.0)                       # the reported blocks are not speculative
     assert idx.overlap(h) == {"a": 2}
 
 
-def test_rank_hashes_each_namespace_with_its_own_root_however_many_it_has_seen():
+def test_preparation_hashes_each_namespace_with_its_own_root_however_many_it_has_seen():
     from types import SimpleNamespace
 
-    from protos.pagoda.v1 import pagoda_pb2 as pb
-    from router.server import RouterService
-    service = RouterService(SimpleNamespace(on_worker_gone=None), scorer(), None)  # type: ignore[arg-type]
-    ids, workers = list(range(40)), [worker("a")]
+    from router.breaker import CircuitBreaker
+    from router.channels import WorkerChannels
+    from router.prepare import Preparer
+    prepare = Preparer(SimpleNamespace(), WorkerChannels(), CircuitBreaker())  # type: ignore[arg-type]
+    ids = list(range(40))
     for salt in ["", "t2", "", "t3"] + [f"s{i}" for i in range(4100)] + ["t2"]:
         for adapter in ("", "lora"):
-            request = pb.GenerateRequest(adapter=adapter, cache_salt=salt)
-            _, hashes = service.rank("m", workers, request, ids)
+            hashes = prepare.hashes("m", adapter, salt, ids, 16)
             assert list(hashes) == block_hashes(ids, 16, namespace_root("m", adapter, salt))
-    assert len(service._roots) <= 4096                      # the root cache is bounded
+    assert len(prepare._roots) <= 4096                      # the root cache is bounded

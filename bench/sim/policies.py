@@ -1,7 +1,7 @@
 """Routing policies under simulation: the real router, and an oracle.
 
 RouterPolicy is the router process's own objects (BlockIndex, Cluster reading Redis, Scorer,
-RouterService's ranking) with the gRPC proxy cut off: a decision is what Generate does before
+the request pipeline's preparation and selection stages) with the gRPC proxy cut off: a decision is what Generate does before
 it opens the upstream stream (hash, rank, credit the winner, record its prefix speculatively),
 and the Cluster's sync steps run at simulated-time ticks instead of in its background task.
 Credits, first tokens and ends are stamped with simulated time, the clock the simulated
@@ -22,12 +22,13 @@ import redis.asyncio as aioredis
 
 from protos import redis_schema as rs
 from protos.block_hash import namespace_root
-from protos.pagoda.v1 import pagoda_pb2 as pb
+from router.breaker import CircuitBreaker
+from router.channels import WorkerChannels
 from router.cluster import Cluster
 from router.index import BlockIndex
-from router.metrics import RouterMetrics
+from router.prepare import Preparer
 from router.scoring import KV_KNEE, KV_PENALTY_TOKENS, Choice, Scorer, WorkerState
-from router.server import RouterService
+from router.selection import Selector
 
 from .bus import MODEL
 
@@ -42,9 +43,10 @@ class RouterPolicy:
         self.cluster._redis = aioredis.from_url(redis_url)
         self.cluster.connected = True
         self.scorer = Scorer(policy, self.index, random.Random(seed))
-        self.service = RouterService(self.cluster, self.scorer, RouterMetrics(self.cluster, self.index))
+        breaker = CircuitBreaker()
+        self.prepare = Preparer(self.cluster, WorkerChannels(), breaker)
+        self.select = Selector(self.scorer, breaker)
         self._next_poll = 0.0
-        self._request = pb.GenerateRequest()      # default namespace: no adapter, no salt
 
     def sync(self, now: float) -> None:
         self.loop.run_until_complete(self._sync(now))
@@ -58,10 +60,11 @@ class RouterPolicy:
     def choose(self, req, now: float) -> tuple[int, int, int]:
         """(worker index, wall ns, this thread's CPU ns) for one decision."""
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        model, workers = self.service.candidates(MODEL)
-        ranked, hashes = self.service.rank(model, workers, self._request, req.prompt, now)
-        best = ranked[0]
-        self.service.claim(best, req.rid, len(req.prompt), hashes, now, now)
+        model, workers = self.prepare.candidates(MODEL)
+        # The default namespace: no adapter, no salt.
+        hashes = self.prepare.hashes(model, "", "", req.prompt, workers[0].lease.block_size)
+        best = self.select.rank(model, workers, len(req.prompt), hashes, None, now)[0]
+        self.select.claim(best, req.rid, len(req.prompt), hashes, now, now)
         wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
         return int(best.worker.id.rsplit("-", 1)[1]), wall, cpu
 
@@ -95,9 +98,9 @@ class TokenCostPolicy(RouterPolicy):
 
     def choose(self, req, now: float) -> tuple[int, int, int]:
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        model, workers = self.service.candidates(MODEL)
+        model, workers = self.prepare.candidates(MODEL)
         block = workers[0].lease.block_size
-        hashes = self.service.hasher.hashes(req.prompt, block, self._root)
+        hashes = self.prepare.hasher.hashes(req.prompt, block, self._root)
         overlap = self.index.overlap(hashes)
         best = None
         for w in workers:
@@ -111,7 +114,7 @@ class TokenCostPolicy(RouterPolicy):
             if best is None or key < best[0]:
                 best = (key, Choice(w, cost, cached))
         assert best is not None
-        self.service.claim(best[1], req.rid, len(req.prompt), hashes, now, now)
+        self.select.claim(best[1], req.rid, len(req.prompt), hashes, now, now)
         wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
         return int(best[1].worker.id.rsplit("-", 1)[1]), wall, cpu
 

@@ -1,0 +1,60 @@
+"""A request's way through the router, stage by stage: prepare (router/prepare.py), select
+(router/selection.py), proxy (router/proxy.py). Both fronts, gRPC (router/grpc_front.py) and
+OpenAI HTTP (router/openai_api.py), call this one path, so neither can drift from the other."""
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from typing import AsyncGenerator
+
+from protos.limits import Limits
+from protos.pagoda.v1 import pagoda_pb2 as pb
+from protos.security import Identity, KeyRing
+from router.breaker import CircuitBreaker
+from router.channels import WorkerChannels
+from router.cluster import Cluster
+from router.errors import RouterError
+from router.metrics import RouterMetrics
+from router.prepare import Preparer
+from router.proxy import Proxy
+from router.scoring import Scorer
+from router.selection import Selector
+
+
+class Pipeline:
+    def __init__(self, cluster: Cluster, scorer: Scorer, metrics: RouterMetrics, channels: WorkerChannels,
+                 max_attempts: int = 3, limits: Limits = Limits(), first_token_timeout: float = 60.0,
+                 keyring: KeyRing | None = None):
+        self.cluster, self.metrics, self.channels, self.keyring = cluster, metrics, channels, keyring
+        self.breaker = CircuitBreaker()
+        self.prepare = Preparer(cluster, channels, self.breaker, limits)
+        self.select = Selector(scorer, self.breaker, max_attempts)
+        self.proxy = Proxy(channels, self.select, self.breaker, metrics, first_token_timeout)
+        cluster.on_worker_gone = self.forget_worker
+
+    async def generate(self, request: pb.GenerateRequest, timeout: float | None,
+                       ident: Identity | None = None) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Route and proxy one request for caller `ident`; a refusal or failure is a RouterError."""
+        policy = self.select.scorer.policy
+        try:
+            p = await self.prepare.prepare(request, ident)
+            ranked = self.select.rank(p.model, p.workers, p.prompt_len, p.hashes, p.upstream.sampling.max_tokens)
+        except RouterError:
+            self.metrics.decisions.labels(policy, "rejected").inc()
+            raise
+        self.metrics.decision_seconds.labels(policy, p.model).observe(time.perf_counter() - p.arrived)
+        # aclosing: a caller that stops reading ends the upstream call now, not at garbage collection.
+        async with aclosing(self.proxy.stream(p, ranked, timeout)) as stream:
+            async for resp in stream:
+                yield resp
+
+    async def tokenize(self, request) -> tuple[str, list[int], int]:
+        """(model, prompt token ids, its max_model_len)."""
+        return await self.prepare.tokenize(request)
+
+    async def model_info(self, model: str) -> pb.ModelInfoResponse:
+        return await self.prepare.model_info(model)
+
+    def forget_worker(self, worker_id: str) -> None:
+        self.breaker.forget(worker_id)
+        self.channels.keep_only(w.lease.address for w in self.cluster.workers.values())

@@ -1,0 +1,141 @@
+"""The router's stages and their contracts (router/prepare.py, selection.py, proxy.py, pipeline.py),
+driven in process against stand-in workers served by real gRPC servers on loopback
+(tests/plugins/cluster.py's servicer): what preparation hands on, what the proxy relays and what
+its credit ledger keeps, and the module layout (fronts import no process, no private names)."""
+from __future__ import annotations
+
+import ast
+import asyncio
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos.block_hash import block_hashes, namespace_root
+from protos.limits import Limits
+from protos.pagoda.v1 import pagoda_pb2 as pb
+from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from protos.redis_schema import Lease
+from protos.security import Identity
+from protos.tokenization import PromptTokenizer, tokenizer_digest
+from router.channels import WorkerChannels
+from router.cluster import Cluster
+from router.errors import RouterError
+from router.index import BlockIndex
+from router.metrics import RouterMetrics
+from router.pipeline import Pipeline
+from router.scoring import Scorer
+from tests.plugins.cluster import TOKENIZER_CONFIG, FakeEngine, _servicer, word_tokenizer_json
+
+ROOT = Path(__file__).resolve().parents[1]
+TOK = word_tokenizer_json()
+DIGEST = tokenizer_digest(TOK, TOKENIZER_CONFIG)
+
+
+@asynccontextmanager
+async def stand_ins(*specs: dict):
+    """In-process stand-in workers (one gRPC server each, on loopback) and a pipeline whose
+    cluster holds their leases, as its Redis sync would have put them."""
+    servers, cluster = [], Cluster("redis://unused", BlockIndex())
+    for i, opts in enumerate(specs):
+        wid = opts.pop("worker_id", f"w{i}")
+        server = grpc.aio.server()
+        pb_grpc.add_GenerationServicer_to_server(
+            _servicer(FakeEngine("m"), wid, opts.pop("token_delay", 0.0), TOK, **opts), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        cluster._upsert(Lease(wid, "m", f"127.0.0.1:{port}", 0, 16, num_blocks=4096, free_blocks=4096,
+                              ts=1.0, tokenizer_digest=DIGEST))
+    index = cluster.index
+    pipeline = Pipeline(cluster, Scorer("round_robin", index), RouterMetrics(cluster, index), WorkerChannels(),
+                        limits=Limits(max_n=4))
+    try:
+        yield pipeline
+    finally:
+        await pipeline.channels.close()
+        for s in servers:
+            await s.stop(None)
+
+
+async def collect(pipeline, request, ident=None):
+    out = []
+    async for r in pipeline.generate(request, 10.0, ident):
+        out.append(r)
+    return out
+
+
+def test_preparation_hands_on_a_tokenized_tenant_scoped_request_with_its_hashes():
+    async def go():
+        async with stand_ins({}) as pipeline:
+            text = " ".join(["aa", "bb", "cc", "dd"] * 9)
+            ids = PromptTokenizer(TOK, TOKENIZER_CONFIG).encode_text(text)
+            req = pb.GenerateRequest(request_id="r1", text=text, cache_salt="s", adapter="x",
+                                     sampling=pb.SamplingParams(max_tokens=3))
+            p = await pipeline.prepare.prepare(req, Identity("alice"))
+            up = p.upstream
+            assert (p.model, p.field, p.caller_id, p.prompt_len) == ("m", "text", "r1", len(ids))
+            assert list(up.token_ids) == ids and not up.HasField("text") and up.model == "m"
+            assert up.cache_salt == "tenant:alice\x00s" and up.request_id == "alice/r1" and up.adapter == "x"
+            assert list(p.hashes) == block_hashes(ids, 16, namespace_root("m", "x", "tenant:alice\x00s"))
+            assert req.HasField("text") and req.cache_salt == "s"     # the caller's request is left as it was
+            # Without keys: nothing scoped; without an id, one is made and sent as is.
+            p = await pipeline.prepare.prepare(pb.GenerateRequest(token_ids=ids, cache_salt="s"), None)
+            assert p.upstream.cache_salt == "s" and p.upstream.request_id == p.caller_id and len(p.caller_id) == 32
+            assert list(p.hashes) == block_hashes(ids, 16, namespace_root("m", "", "s"))
+            # Refusals name the field, and come before any worker sees the request.
+            for bad, code, head in ((pb.GenerateRequest(token_ids=[1], sampling=pb.SamplingParams(n=5)),
+                                     grpc.StatusCode.INVALID_ARGUMENT, "n:"),
+                                    (pb.GenerateRequest(text=""), grpc.StatusCode.INVALID_ARGUMENT, "text:"),
+                                    (pb.GenerateRequest(token_ids=[1], model="zzz"), grpc.StatusCode.NOT_FOUND,
+                                     "model:"),
+                                    (pb.GenerateRequest(token_ids=[1] * 10, sampling=pb.SamplingParams(
+                                        max_tokens=4090)), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens:")):
+                with pytest.raises(RouterError) as e:
+                    await pipeline.prepare.prepare(bad, None)
+                assert e.value.code == code and e.value.message.startswith(head), e.value.message
+    asyncio.run(go())
+
+
+def test_the_proxy_fails_over_before_the_first_token_and_its_ledger_ends_clean():
+    async def go():
+        # round_robin from w0: w0 refuses its first call, so the request moves to w1.
+        async with stand_ins({"fail_first": 1}, {}) as pipeline:
+            w0, w1 = (pipeline.cluster.workers[w] for w in ("w0", "w1"))
+            out = await collect(pipeline, pb.GenerateRequest(request_id="r1", token_ids=list(range(1, 40)),
+                                                             sampling=pb.SamplingParams(max_tokens=3)),
+                                Identity("alice"))
+            assert [r.worker_id for r in out] == ["w1"] * 3 and out[-1].finished
+            assert {r.request_id for r in out} == {"r1"}           # the caller's id, not "alice/r1"
+            assert not w0.credits and not w1.credits and "alice/r1" in w1.gone and "alice/r1" not in w0.gone
+            assert pipeline.breaker._states["w0"].failures == 1 and "w1" not in pipeline.breaker._states
+    asyncio.run(go())
+
+
+def test_a_stream_broken_after_its_first_token_is_an_error_and_the_worker_is_unloaded():
+    async def go():
+        async with stand_ins({"misbehave": "no_finish"}) as pipeline:
+            w0 = pipeline.cluster.workers["w0"]
+            seen = []
+            with pytest.raises(RouterError) as e:
+                async for r in pipeline.generate(pb.GenerateRequest(token_ids=[1, 2, 3], sampling=pb.SamplingParams(
+                        max_tokens=3)), 10.0):
+                    seen.append(r)
+            assert len(seen) == 2 and e.value.code == grpc.StatusCode.UNAVAILABLE and "unfinished" in e.value.message
+            assert not w0.credits and len(w0.gone) == 1
+    asyncio.run(go())
+
+
+def test_fronts_import_no_process_module_and_no_module_imports_private_names():
+    for path in sorted((ROOT / "router").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("router"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name} imports {private} from {node.module}"
+                if path.name != "__main__.py":
+                    assert node.module != "router.server", f"{path.name} imports the process module"
+    code = "import sys, router.openai_api, router.grpc_front; assert 'router.server' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
