@@ -124,16 +124,21 @@ def family_config(family: str, vocab_size: int, special_ids: dict[str, int]) -> 
     raise ValueError(f"family: must be one of {', '.join(FAMILIES)} (got {family!r})")
 
 
-def build_tokenizer(add_bos: bool):
-    """Byte-level BPE trained in-process: any UTF-8 text encodes, multi-byte characters span tokens."""
+def build_tokenizer(add_bos: bool, vocab_size: int = 640):
+    """Byte-level BPE trained in-process: any UTF-8 text encodes, multi-byte characters span tokens.
+
+    Past 640 tokens the corpus runs out of merges; seeded made-up words (syllables of a consonant
+    and a vowel) give the trainer enough pairs to reach `vocab_size` exactly."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=640, min_frequency=1, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    tok.train_from_iterator(CORPUS.splitlines() + _made_up_lines(vocab_size), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"vocab_size: the tokenizer reached {tok.get_vocab_size()} tokens, not {vocab_size}")
     if add_bos:
         bos_id = tok.token_to_id(BOS)
         tok.post_processor = processors.TemplateProcessing(
@@ -141,6 +146,17 @@ def build_tokenizer(add_bos: bool):
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
+
+
+def _made_up_lines(vocab_size: int) -> list[str]:
+    """Extra training text for vocabularies past what CORPUS yields (none at the default 640)."""
+    if vocab_size <= 640:
+        return []
+    import random
+    rng = random.Random(vocab_size)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3 * vocab_size)]
+    return [" ".join(rng.choice(words) for _ in range(12)) for _ in range(vocab_size // 2)]
 
 
 def tiny_weights(cfg: dict, seed: int) -> dict:
@@ -226,15 +242,19 @@ def transformers_weights(cfg: dict, seed: int) -> dict:
     return w
 
 
-def make_tiny_model(path: str, family: str = "llama", seed: int = 0, **config_overrides) -> str:
-    """Write a tiny random checkpoint of `family` into `path` (created) and return `path`."""
+def make_tiny_model(path: str, family: str = "llama", seed: int = 0, vocab_size: int | None = None,
+                    **config_overrides) -> str:
+    """Write a tiny random checkpoint of `family` into `path` (created) and return `path`.
+
+    `vocab_size` trains the tokenizer to that many tokens, so that the model's and the
+    tokenizer's vocabularies agree (default: the tokenizer's natural 640)."""
     if family not in FAMILIES:
         raise ValueError(f"family: must be one of {', '.join(FAMILIES)} (got {family!r})")
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
     add_bos = family in BOS_FAMILIES
-    tok = build_tokenizer(add_bos)
+    tok = build_tokenizer(add_bos, vocab_size or 640)
     special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     cfg = family_config(family, tok.get_vocab_size(), special_ids)
     cfg.update(config_overrides)

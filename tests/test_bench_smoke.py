@@ -87,3 +87,37 @@ def test_overhead_small(tmp_path):
         parts = sum(float(r[k]) for k in ("schedule ms", "prepare ms", "sample ms", "outputs ms"))
         assert abs(parts - float(r["outside forward ms"])) < 0.05
     assert pct(rows["greedy"]["greedy ids equal"]) >= 50
+
+
+@pytest.mark.timeout(90)
+def test_vs_vllm_pagoda_side(tmp_path):
+    """bench/vs_vllm.py --quick with pagoda alone (vLLM is never needed by the suite): every
+    workload runs in its own engine process, every request gets all its tokens, and the
+    shared-prefix requests after the first find the whole 128-token prefix cached."""
+    import json
+    out = run_script("vs_vllm.py", "--engines", "pagoda", "--cache-dir", str(tmp_path), "--json",
+                     str(tmp_path / "r.json"))
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert "vllm" not in result["runs"] and len(result["runs"]["pagoda"]) == 1
+    run = result["runs"]["pagoda"][0]
+    assert 0 < run["startup_s"] < 60 and run["engine"] == "pagoda"
+    assert run["kv_tokens"] * 2 * 2 * 1 * 32 * 4 == 512 * 1024 ** 2     # 2 layers, 1 KV head of 32, fp32
+    wls = {w["name"]: w for w in result["workloads"]}
+    assert set(run["workloads"]) == set(wls) == {"greedy", "top-p", "shared-prefix", "single"}
+    for name, r in run["workloads"].items():
+        assert r["output_tok_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p90_s"] < r["wall_s"]
+        assert [len(t) for t in r["tokens"]] == [wls[name]["max_tokens"]] * r["requests"]
+    assert run["workloads"]["shared-prefix"]["cached_prompt_tokens"] == 7 * 128
+    assert run["workloads"]["greedy"]["cached_prompt_tokens"] == 0
+    # Same prompts, greedy then top-p: sampling changed the tokens.
+    assert run["workloads"]["greedy"]["tokens"] != run["workloads"]["top-p"]["tokens"]
+    rows = {r["workload"]: r for r in table_rows(out, "workload")}
+    assert rows["greedy"]["vLLM tok/s"] == "n/a" and float(rows["greedy"]["pagoda tok/s"].replace(",", "")) > 0
+
+
+def test_vs_vllm_agreement():
+    sys.path.insert(0, REPO)
+    from bench.vs_vllm import agreement, quantile
+    # Request 1 equal, request 2 diverges at its third token: 1 of 2 requests, 4 + 2 of 8 tokens.
+    assert agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 3, 4], [5, 6, 0, 8]]) == (0.5, 6 / 8)
+    assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0 and quantile([1.0, 2.0, 3.0, 4.0], 0.9) == 4.0

