@@ -150,15 +150,15 @@ class _Assembler:
 class _Base:
     def __init__(self, target: str, *, tls: bool = False, root_certificates: Optional[bytes] = None,
                  private_key: Optional[bytes] = None, certificate_chain: Optional[bytes] = None,
-                 metadata: Sequence[tuple[str, str]] = (), timeout: Optional[float] = None,
+                 metadata: Optional[Sequence[tuple[str, str]]] = (), timeout: Optional[float] = None,
                  retries: int = 3, backoff: float = 0.2, options: Sequence[tuple] = (),
                  api_key: Optional[str] = None):
         """target: HOST:PORT. tls or any certificate -> a secure channel. metadata is sent on every
-        call (per-call metadata is added to it); timeout is the default per-call deadline in seconds.
+        call (per-call metadata is added to it; None means none); timeout is the default per-call deadline in seconds.
         api_key (default: $PAGODA_API_KEY) is sent as `authorization: Bearer KEY`."""
         api_key = api_key if api_key is not None else os.environ.get("PAGODA_API_KEY")
         auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self.target, self.metadata, self.timeout = target, auth + tuple(metadata), timeout
+        self.target, self.metadata, self.timeout = target, auth + tuple(metadata or ()), timeout
         self.retries, self.backoff = retries, backoff
         self._secure = tls or any(x is not None for x in (root_certificates, private_key, certificate_chain))
         self._creds = _credentials(root_certificates, private_key, certificate_chain) if self._secure else None

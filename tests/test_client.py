@@ -135,6 +135,19 @@ def test_deadline_and_metadata(scripted):
     assert md["x-tenant"] == "team-a" and md["x-trace"] == "t1"
 
 
+def test_metadata_none_means_none(scripted):
+    """metadata=None (as callers pass an optional through) is no metadata, not a TypeError."""
+    svc, target = scripted
+    with PagodaClient(target, metadata=None) as c:
+        assert c.complete("x", metadata=None).text == "Hello there!"
+    assert "x-tenant" not in svc.seen_metadata[-1]
+
+    async def main():
+        async with AsyncPagodaClient(target, metadata=None) as c:
+            return (await c.complete("x")).text
+    assert asyncio.run(main()) == "Hello there!"
+
+
 def test_async_client_streams_retries_and_cancels(scripted):
     svc, target = scripted
     svc.unavailable = 1
