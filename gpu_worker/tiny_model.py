@@ -1,4 +1,5 @@
-"""Small random Hugging Face checkpoints of every family in the parity matrix, with a real BPE tokenizer.
+"""Small random Hugging Face checkpoints of every family in the parity matrix, with a real BPE tokenizer
+(over characters, so that every token decodes to valid text on its own).
 
 Native families (Llama, Mistral, Qwen2, Qwen3) and transformers-backend families (Gemma 2, Gemma 3
 text, Phi-3, OLMo 2, Granite, Mixtral, Qwen3-MoE). Each non-native family turns on what makes it
@@ -32,21 +33,49 @@ TRANSFORMERS_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "mixtra
 FAMILIES = NATIVE_FAMILIES + TRANSFORMERS_FAMILIES
 # As the real ones: Qwen, OLMo and Granite add no BOS.
 BOS_FAMILIES = ("llama", "mistral", "gemma2", "gemma3", "phi3", "mixtral")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2 keeps a byte-level BPE (build_tokenizer says why); every other family's tokens are characters.
+BYTE_LEVEL_FAMILIES = ("qwen2",)
 # Gemma-style RMSNorm multiplies by (1 + weight).
 _NORM_PLUS_ONE = ("gemma2", "gemma3_text")
 
-BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]
+# <unk> last, so that the other ids stay what they were (pad 0, bos 1, eos 2, im 3 and 4).
+SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END, UNK]
+# Hermes-style tool-call tags: one token each, not special (skip_special_tokens keeps them).
+TOOL_CALL_TOKENS = ["<tool_call>", "</tool_call>"]
+VOCAB_SIZE = 1024          # with the tool-call tokens; a multiple of 4 for tensor-parallel tests
+BYTE_LEVEL_VOCAB_SIZE = 640  # the corpus holds fewer byte-level merges
 
+# ChatML. With `tools`, a system turn lists them and says how to call one; an assistant turn's
+# tool_calls and a `tool` turn's result are written in the Hermes form that
+# `--tool-call-parser hermes` reads back. Without tools the text is plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- 'Tools you may call, one JSON signature per line:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nTo call one, answer <tool_call>{\\\"name\\\": NAME, \\\"arguments\\\": {...}}</tool_call>"
+    "<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set f = call['function'] if call['function'] is defined else call %}"
+    "{{- '<tool_call>{\\\"name\\\": ' + (f['name'] | tojson) + ', \\\"arguments\\\": ' }}"
+    "{{- (f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson)) + '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Enough varied text for a few hundred merges; the byte alphabet covers everything else.
+# Enough varied text for the merges; the character alphabet (_alphabet) covers the rest.
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A paged cache keeps keys and values in blocks.
 Once upon a time there was a small model that answered questions about the weather, the sea,
@@ -60,8 +89,24 @@ Les élèves étudient la physique à l'école. Über den Wolken muss die Freihe
 Numbers 0123456789, symbols !@#$%^&*()[]{}<>?/\\|~`+-=_;:'", and emoji 🙂🚀✨ are text too.
 In the beginning the engine scheduled every running request before any waiting request,
 and when blocks ran out it preempted the newest one and recomputed it later from its prompt.
+Hello, how are you today? I am fine, thank you, and I hope that you are well and happy.
+She said that they would be there in the morning, but he was not sure what time it was.
+We have been working on this for a long time, and we will keep going until it is done.
+This is a good question. Let me think about it for a moment before I give you an answer.
+The people of the city were very proud of their new bridge, which was built of stone.
+There are many ways to solve a problem; some of them are simple and some are not.
+{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
 """
 
+
+def _alphabet() -> list[str]:
+    """Every character a token starts from: ASCII, Latin-1, Latin Extended-A, Greek, Cyrillic and
+    common punctuation; spaces are "▁" inside the model (Llama's convention, so that llguidance
+    reads the vocabulary). A character outside it and the corpus encodes as <unk>."""
+    ranges = [(0x20, 0x7E), (0xA1, 0xFF), (0x100, 0x17F), (0x391, 0x3A9), (0x3B1, 0x3C9), (0x400, 0x45F),
+              (0x2013, 0x2014), (0x2018, 0x201E), (0x2020, 0x2022), (0x2026, 0x2026), (0x20AC, 0x20AC)]
+    chars = [chr(c) for lo, hi in ranges for c in range(lo, hi + 1)] + ["\n", "\t", "\r"]
+    return [c.replace(" ", "\u2581") for c in chars]
 
 def family_config(family: str, vocab_size: int, special_ids: dict[str, int]) -> dict:
     """The config.json dict for a family, with the real model_type and architectures."""
@@ -124,34 +169,57 @@ def family_config(family: str, vocab_size: int, special_ids: dict[str, int]) -> 
     raise ValueError(f"family: must be one of {', '.join(FAMILIES)} (got {family!r})")
 
 
-def build_tokenizer(add_bos: bool, vocab_size: int = 640):
-    """Byte-level BPE trained in-process: any UTF-8 text encodes, multi-byte characters span tokens.
+def build_tokenizer(add_bos: bool, byte_level: bool = False, vocab_size: int | None = None):
+    """A BPE over characters, trained in-process: every token is whole characters, so each one
+    decodes to valid text on its own (a byte-level BPE splits a multi-byte character over
+    tokens that decode alone to U+FFFD), and text round-trips exactly. A character outside the
+    alphabet is the explicit <unk>. Laid out as Llama 2's tokenizer.json (spaces as "\u2581", a
+    Replace + ByteFallback + Fuse decoder; no byte tokens exist, so ByteFallback never fires),
+    which transformers, `tokenizers` and llguidance all read.
 
-    Past 640 tokens the corpus runs out of merges; seeded made-up words (syllables of a consonant
-    and a vowel) give the trainer enough pairs to reach `vocab_size` exactly."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(CORPUS.splitlines() + _made_up_lines(vocab_size), trainer=trainer)
-    if tok.get_vocab_size() != vocab_size:
-        raise ValueError(f"vocab_size: the tokenizer reached {tok.get_vocab_size()} tokens, not {vocab_size}")
+    byte_level: a byte-level BPE instead, for Qwen2: transformers rebuilds a qwen2 checkpoint's
+    tokenizer in Qwen2's byte-level layout whatever tokenizer.json says.
+    vocab_size: the whole vocabulary, tool-call tokens included (default VOCAB_SIZE, or
+    BYTE_LEVEL_VOCAB_SIZE). Past what the corpus yields, seeded made-up words (syllables of a
+    consonant and a vowel) give the trainer enough pairs to reach it exactly."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    natural = BYTE_LEVEL_VOCAB_SIZE if byte_level else VOCAB_SIZE
+    vocab = (vocab_size or natural) - len(TOOL_CALL_TOKENS)
+    if byte_level:
+        tok = Tokenizer(models.BPE())
+        # Qwen2's own layout (NFC, its split pattern, then bytes), which transformers rebuilds.
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        tok = Tokenizer(models.BPE(unk_token=UNK))
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Split(
+            Regex("\u2581?\\p{L}+|\u2581?\\p{N}|\u2581?[^\u2581\\s\\p{L}\\p{N}]+|\\s|\u2581"),
+            behavior="isolated")
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        alphabet = _alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=1, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=alphabet, limit_alphabet=10_000, show_progress=False)
+    extra = _made_up_lines(vocab_size) if vocab_size and vocab_size > natural else []
+    tok.train_from_iterator([CORPUS] + extra, trainer=trainer)
+    if tok.get_vocab_size() != vocab:     # a shorter corpus would change the model's shapes
+        raise ValueError(f"vocab_size: the tokenizer reached {tok.get_vocab_size() + len(TOOL_CALL_TOKENS)} "
+                         f"tokens, not {vocab + len(TOOL_CALL_TOKENS)}")
+    tok.add_tokens(TOOL_CALL_TOKENS)
     if add_bos:
         bos_id = tok.token_to_id(BOS)
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
 
 
 def _made_up_lines(vocab_size: int) -> list[str]:
-    """Extra training text for vocabularies past what CORPUS yields (none at the default 640)."""
-    if vocab_size <= 640:
-        return []
+    """Extra training text for vocabularies past what CORPUS yields."""
     import random
     rng = random.Random(vocab_size)
     syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
@@ -247,14 +315,14 @@ def make_tiny_model(path: str, family: str = "llama", seed: int = 0, vocab_size:
     """Write a tiny random checkpoint of `family` into `path` (created) and return `path`.
 
     `vocab_size` trains the tokenizer to that many tokens, so that the model's and the
-    tokenizer's vocabularies agree (default: the tokenizer's natural 640)."""
+    tokenizer's vocabularies agree (default: build_tokenizer's)."""
     if family not in FAMILIES:
         raise ValueError(f"family: must be one of {', '.join(FAMILIES)} (got {family!r})")
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
     add_bos = family in BOS_FAMILIES
-    tok = build_tokenizer(add_bos, vocab_size or 640)
+    tok = build_tokenizer(add_bos, byte_level=family in BYTE_LEVEL_FAMILIES, vocab_size=vocab_size)
     special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     cfg = family_config(family, tok.get_vocab_size(), special_ids)
     cfg.update(config_overrides)
@@ -265,7 +333,7 @@ def make_tiny_model(path: str, family: str = "llama", seed: int = 0, vocab_size:
     tok.save(os.path.join(path, "tokenizer.json"))
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": None,
+        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK,
         "add_bos_token": add_bos, "add_eos_token": False,
         "model_max_length": cfg["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
@@ -274,7 +342,7 @@ def make_tiny_model(path: str, family: str = "llama", seed: int = 0, vocab_size:
     }
     _write_json(os.path.join(path, "tokenizer_config.json"), tok_config)
     _write_json(os.path.join(path, "special_tokens_map.json"),
-                {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+                {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK,
                  "additional_special_tokens": [IM_START, IM_END]})
     # Chat replies end with <|im_end|>, plain text with </s>: both stop generation.
     _write_json(os.path.join(path, "generation_config.json"), {

@@ -104,7 +104,7 @@ def test_penalties_count_the_token_in_flight(tiny_llm_factory):
     repetition penalty breaks only if the token just sampled (in flight) is counted."""
     sync = tiny_llm_factory("llama", num_kv_blocks=64)
     llm = tiny_llm_factory("llama", num_kv_blocks=64, async_scheduling="on")
-    prompt = rand_ids(12, 5)
+    prompt = rand_ids(12, 59)
     plain = sync.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
     assert plain[0].outputs[0].token_ids[2] == plain[0].outputs[0].token_ids[3]
     for params in (SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, repetition_penalty=1.5),

@@ -61,8 +61,9 @@ def test_prefix_quick(tmp_path):
         assert float(r["TTFT all mean (ms)"]) > 0
         if caching == "off":
             assert pct(r["prefix hit rate"]) == 0
-    # Every request after the first finds the 128-token system prompt cached.
-    assert pct(rows[("sequential", "on")]["prefix hit rate"]) > 50
+    # Every request after the first finds the 128-token system prompt cached: 3 of 4 requests hit
+    # 128 of at most 128 + 96 tokens, at least 43% of the tokens looked up.
+    assert pct(rows[("sequential", "on")]["prefix hit rate"]) >= 42
 
 
 @pytest.mark.timeout(90)

@@ -9,7 +9,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from gpu_worker.tiny_model import BOS_FAMILIES, FAMILIES, make_tiny_model
+from gpu_worker.tiny_model import BOS_FAMILIES, BYTE_LEVEL_FAMILIES, FAMILIES, TOOL_CALL_TOKENS, make_tiny_model
 
 TEXTS = ["The quick brown fox", "héllo wörld 東京 🚀 Привет", "def f(x):\n    return x * 2\n",
          "Once upon a time", "  leading spaces and\ttabs", "User: What is 2+2?"]
@@ -46,8 +46,31 @@ def test_tokenizer_round_trips_and_matches_tokenizer_json(tiny_model_factory, fa
         assert ids == raw.encode(text).ids
         assert hf.decode(ids, skip_special_tokens=True) == text
         assert (ids[0] == hf.bos_token_id) == (family in BOS_FAMILIES)
-    # Multi-byte characters span several byte-level tokens.
-    assert len(hf.encode("東", add_special_tokens=False)) > 1
+    # Tokens are whole characters (a multi-byte one spans byte-level tokens only in Qwen2's).
+    assert (len(hf.encode("東", add_special_tokens=False)) > 1) == (family in BYTE_LEVEL_FAMILIES)
+
+
+ROUND_TRIP = TEXTS + ["Les élèves étudient à l'école. Über den Wolken – “quoted” … €5 ½",
+                      "Γειά σου κόσμε. Привет, как дела? 北京是中国的首都。🙂🚀✨",
+                      "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\"}}\r\n\n\t  end  "]
+
+
+def test_every_token_of_the_default_tokenizer_decodes_alone_to_text(tiny_model):
+    """Each ordinary token alone decodes to valid text (no U+FFFD), so text round-trips token by
+    token, streamed chunks carry whole tokens and clients count the real tokens."""
+    from protos.tokenization import PromptTokenizer
+    tok = PromptTokenizer.from_dir(tiny_model)
+    special = set(tok.backend.get_added_tokens_decoder()) - {tok.token_to_id(t) for t in TOOL_CALL_TOKENS}
+    for i in range(tok.vocab_size):
+        piece = tok.decode([i], skip_special_tokens=False)
+        assert piece and "\ufffd" not in piece, (i, piece)
+        assert tok.decode([i], skip_special_tokens=True) == ("" if i in special else piece)
+    for text in ROUND_TRIP:
+        ids = tok.encode_text(text)[1:]                  # after BOS
+        assert tok.decode(ids) == text == "".join(tok.decode([i]) for i in ids)
+        assert tok.token_to_id("<unk>") not in ids
+    # A character outside the alphabet is the explicit <unk>, not bytes.
+    assert tok.encode_text("a\u16a0b")[1:] == [tok.token_to_id("a"), tok.token_to_id("<unk>"), tok.token_to_id("b")]
 
 
 def test_chat_template_and_eos(tiny_model):
