@@ -148,12 +148,12 @@ def test_cli_and_bad_family(tmp_path):
 
 
 def test_vocab_size_trains_the_tokenizer_to_match(tmp_path):
-    """vocab_size past the corpus's natural 640: the tokenizer reaches it exactly, so every id the
-    model can emit decodes (bench/vs_vllm.py's 8k-vocabulary model is loaded by vLLM too)."""
-    path = make_tiny_model(str(tmp_path / "m"), vocab_size=1000)
+    """vocab_size past what the corpus yields (1024): the tokenizer reaches it exactly, so every id
+    the model can emit decodes (bench/vs_vllm.py's 8k-vocabulary model is loaded by vLLM too)."""
+    path = make_tiny_model(str(tmp_path / "m"), vocab_size=1280)
     with open(os.path.join(path, "config.json")) as f:
-        assert json.load(f)["vocab_size"] == 1000
+        assert json.load(f)["vocab_size"] == 1280
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    assert len(tok) == 1000
+    assert len(tok) == 1280
     assert tok.decode(tok.encode("The quick brown fox", add_special_tokens=False)) == "The quick brown fox"
-    assert tok.convert_ids_to_tokens(999) is not None
+    assert tok.convert_ids_to_tokens(1279) is not None
