@@ -27,7 +27,7 @@ from protos import serving
 from protos.limits import Limits, check_fits, check_request
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-from protos.security import AuthInterceptor, KeyRing, identity, scoped_id, scoped_salt, server_credentials
+from protos.security import AuthInterceptor, KeyRing, acting_identity, scoped_id, scoped_salt, server_credentials
 from protos.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
 from protos.tokenization import PromptTokenizer, encode_prompt
 
@@ -103,7 +103,7 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         from gpu_worker.distributed import RankFailure
         t0 = time.monotonic()
         last: dict[int, float] = {}                # per sequence: when its last token went out
-        ident = identity(self.keyring, context)
+        ident = acting_identity(self.keyring, context)
         stream = self.engine.generate(scoped_id(ident, rid), ids, params, priority=request.priority,
                                       cache_salt=scoped_salt(ident, request.cache_salt), adapter=request.adapter)
         started = False

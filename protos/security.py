@@ -8,7 +8,9 @@ Without a valid key every call but health checks and reflection is UNAUTHENTICAT
 need an admin key (PERMISSION_DENIED otherwise). A tenant's requests get the tenant folded into
 their cache salt, so tenants never share cached blocks (no prefix-cache timing side channel),
 and their request ids are scoped to the tenant. Admin keys are trusted to act for every tenant:
-the router reaches workers with one, passing requests it has already scoped.
+the router reaches workers with one and names the tenant it acts for in TENANT_HEADER, so the
+worker scopes the request exactly as it would the tenant's own call (and echoes the caller's
+request id, which the router then relays untouched).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import grpc
 log = logging.getLogger(__name__)
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _ADMIN_PREFIX = "/pagoda.v1.Admin/"
+# Binary (-bin) so that any printable tenant name travels, not only ASCII.
+TENANT_HEADER = "x-pagoda-tenant-bin"
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,28 @@ class KeyRing:
 def identity(keyring: KeyRing | None, context) -> Identity | None:
     """The caller of a handler's call (None when the server runs without keys)."""
     return keyring.identify(context.invocation_metadata()) if keyring is not None else None
+
+
+def acting_identity(keyring: KeyRing | None, context) -> Identity | None:
+    """The identity a worker serves a call as: the caller's, or the tenant named in TENANT_HEADER
+    when an admin key (the router's) sends it. A server without keys has no tenancy to protect,
+    so there the header alone decides, as it does for the router that sent it; a tenant's own key
+    never acts for another."""
+    metadata = context.invocation_metadata()
+    ident = keyring.identify(metadata) if keyring is not None else None
+    if keyring is not None and (ident is None or not ident.admin):
+        return ident
+    for k, v in metadata or ():
+        if k == TENANT_HEADER:
+            tenant = v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+            if tenant and tenant.isprintable() and len(tenant) <= 256:
+                return Identity(tenant)
+    return ident
+
+
+def tenant_metadata(ident: Identity | None) -> tuple[tuple[str, bytes], ...]:
+    """What the router adds to a worker call made for `ident` (nothing for admins and keyless calls)."""
+    return () if ident is None or ident.admin else ((TENANT_HEADER, ident.tenant.encode()),)
 
 
 def scoped_salt(ident: Identity | None, cache_salt: str) -> str:

@@ -20,6 +20,8 @@ from router.proxy import Proxy
 from router.scoring import Scorer
 from router.selection import Selector
 
+_decode = pb.GenerateResponse.FromString
+
 
 class Pipeline:
     def __init__(self, cluster: Cluster, scorer: Scorer, metrics: RouterMetrics, channels: WorkerChannels,
@@ -32,9 +34,11 @@ class Pipeline:
         self.proxy = Proxy(channels, self.select, self.breaker, metrics, first_token_timeout)
         cluster.on_worker_gone = self.forget_worker
 
-    async def generate(self, request: pb.GenerateRequest, timeout: float | None,
-                       ident: Identity | None = None) -> AsyncGenerator[pb.GenerateResponse, None]:
-        """Route and proxy one request for caller `ident`; a refusal or failure is a RouterError."""
+    async def open(self, request: pb.GenerateRequest, timeout: float | None,
+                   ident: Identity | None = None) -> AsyncGenerator[bytes, None]:
+        """Prepare and rank one request for caller `ident`, then -> the proxy's stream of the
+        chosen worker's responses, as the bytes it sent (not started: the caller iterates it, and
+        closes it to end the upstream call). A refusal here, or a failure later, is a RouterError."""
         policy = self.select.scorer.policy
         try:
             p = await self.prepare.prepare(request, ident)
@@ -43,10 +47,15 @@ class Pipeline:
             self.metrics.decisions.labels(policy, "rejected").inc()
             raise
         self.metrics.decision_seconds.labels(policy, p.model).observe(time.perf_counter() - p.arrived)
+        return self.proxy.stream(p, ranked, timeout)
+
+    async def generate(self, request: pb.GenerateRequest, timeout: float | None,
+                       ident: Identity | None = None) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """open(), decoded: for a front that reads the responses (OpenAI HTTP)."""
         # aclosing: a caller that stops reading ends the upstream call now, not at garbage collection.
-        async with aclosing(self.proxy.stream(p, ranked, timeout)) as stream:
-            async for resp in stream:
-                yield resp
+        async with aclosing(await self.open(request, timeout, ident)) as stream:
+            async for raw in stream:
+                yield _decode(raw)
 
     async def tokenize(self, request) -> tuple[str, list[int], int]:
         """(model, prompt token ids, its max_model_len)."""

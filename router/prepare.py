@@ -3,8 +3,10 @@
 From the caller's GenerateRequest and identity to a `Prepared` request: the limits checked
 (protos/limits.py), the model resolved to its live workers, the model's tokenizer pinned by the
 digest its workers advertise (workers advertising another are left out), the prompt tokenized
-once (in a thread), its length checked against max_model_len, the tenant folded into the cache
-salt and the request id, and the prompt's block hashes computed in the request's namespace.
+once (in a thread), its length checked against max_model_len, and the prompt's block hashes
+computed in the request's namespace, the tenant folded into its cache salt as the worker will fold
+it (the worker scopes salt and request id itself, for the tenant the router names in its call:
+protos/security.py).
 Everything refused here is a RouterError naming the field, and no worker has been asked for
 anything but its tokenizer.
 """
@@ -22,7 +24,7 @@ import grpc
 from protos.block_hash import namespace_root
 from protos.limits import Limits, check_fits, check_request
 from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.security import Identity, scoped_id, scoped_salt
+from protos.security import Identity, scoped_id, scoped_salt, tenant_metadata
 from protos.tokenization import PromptTokenizer, encode_prompt, prompt_field, tokenizer_digest
 from router.breaker import CircuitBreaker
 from router.channels import WorkerChannels
@@ -49,10 +51,16 @@ class Prepared:
     workers: list[WorkerState]       # the model's live workers with the pinned tokenizer
     pin: Pin
     field: str                       # what carried the prompt: text, messages or token_ids
-    upstream: pb.GenerateRequest     # what a worker is sent: token ids, the model, tenant-scoped salt and id
-    caller_id: str                   # the request id the caller sees
-    hashes: tuple[bytes, ...]        # the prompt's full blocks, in the request's namespace
+    upstream: pb.GenerateRequest     # what a worker is sent: token ids, the model, the caller's id and salt
+    metadata: tuple                  # of the worker call: the router's key and the tenant it acts for
+    key: str                         # the request in the credit ledger: its id scoped to the tenant
+    hashes: tuple[bytes, ...]        # the prompt's full blocks, in the request's (tenant-scoped) namespace
     arrived: float                   # perf_counter at arrival
+    ident: Identity | None = None    # the caller
+
+    @property
+    def caller_id(self) -> str:
+        return self.upstream.request_id
 
     @property
     def prompt_len(self) -> int:
@@ -97,11 +105,13 @@ class Preparer:
         upstream.ClearField("messages")
         upstream.token_ids[:] = token_ids
         upstream.model = model
-        upstream.cache_salt = scoped_salt(ident, request.cache_salt)
-        caller_id = request.request_id or uuid.uuid4().hex
-        upstream.request_id = scoped_id(ident, caller_id)
-        hashes = self.hashes(model, upstream.adapter, upstream.cache_salt, token_ids, workers[0].lease.block_size)
-        return Prepared(model, workers, pin, field, upstream, caller_id, hashes, arrived)
+        if not upstream.request_id:
+            upstream.request_id = uuid.uuid4().hex
+        hashes = self.hashes(model, upstream.adapter, scoped_salt(ident, request.cache_salt), token_ids,
+                             workers[0].lease.block_size)
+        metadata = (self.channels.metadata or ()) + tenant_metadata(ident)
+        return Prepared(model, workers, pin, field, upstream, metadata, scoped_id(ident, upstream.request_id),
+                        hashes, arrived, ident)
 
     async def tokenize(self, request) -> tuple[str, list[int], int]:
         """(model, prompt token ids, its max_model_len): for Tokenize, and for a front that

@@ -10,14 +10,14 @@ ends the stream with UNAVAILABLE, since tokens cannot be taken back. Worker stre
 
 The ledger, per attempt: claimed (credited, prefix speculated) when sent; uncredited when it
 fails before its first token; its prefill done at the first token; finished when the stream
-ends however it ends (so a worker is never left loaded with a request it no longer runs).
+ends however it ends (so a worker is never left loaded with a request it no longer runs). Its
+entries are keyed by the request id scoped to the tenant, since tenants may use the same ids.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from contextlib import aclosing
 from typing import AsyncGenerator
 
 import grpc
@@ -50,19 +50,37 @@ class Proxy:
         return self.selector.scorer.policy
 
     async def stream(self, p: Prepared, ranked: list[Choice], timeout: float | None
-                     ) -> AsyncGenerator[pb.GenerateResponse, None]:
-        """The responses of the first ranked worker that answers, with the caller's request id."""
+                     ) -> AsyncGenerator[bytes, None]:
+        """The responses of the first ranked worker that answers, as the bytes it sent (the
+        caller's request id is already in them: the worker echoes the id it was sent)."""
         checker = StreamChecker(p.n, p.pin.info.vocab_size)
         last_error = "no worker tried"
         for attempt, choice in enumerate(ranked):
             try:
-                call, first = await self._open(p, choice, timeout, checker)
+                call, raw, resp = await self._open(p, choice, timeout, checker)
             except _TryNext as e:
                 last_error = str(e)
                 continue
-            async with aclosing(self._relay(p, choice, call, first, checker, attempt)) as relay:
-                async for resp in relay:
-                    yield resp
+            w = choice.worker
+            # The relay loop: per response one decode for the checks, no re-encoding.
+            try:
+                while True:
+                    if resp.finished and resp.index == 0:
+                        self._observe_usage(p, choice, resp.usage)
+                    yield raw
+                    raw = await call.read()
+                    if raw is grpc.aio.EOF:
+                        break
+                    resp = checker.check_raw(raw)
+                checker.check_complete()
+            except (grpc.aio.AioRpcError, BadStream) as e:
+                raise self._failed_mid_stream(w, e) from None
+            finally:
+                call.cancel()           # no-op when finished; aborts the worker's request otherwise
+                w.finish(p.key, time.time())       # it no longer loads the worker
+            self.metrics.attempts.labels(w.name, "ok").inc()
+            self.metrics.decisions.labels(self.policy, "ok" if attempt == 0 else "retried_ok").inc()
+            self.metrics.e2e.labels(self.policy, p.model).observe(time.perf_counter() - p.arrived)
             return
         self.metrics.decisions.labels(self.policy, "failed").inc()
         if last_error.startswith("RESOURCE_EXHAUSTED"):
@@ -71,24 +89,24 @@ class Proxy:
                           f"no worker for model {p.model!r} could serve the request (last: {last_error})")
 
     async def _open(self, p: Prepared, choice: Choice, timeout: float | None, checker: StreamChecker):
-        """(call, first response) from `choice`'s worker, or _TryNext / RouterError."""
-        w, rid = choice.worker, p.upstream.request_id
+        """(call, first response's bytes, its decoded copy) from `choice`'s worker, or _TryNext /
+        RouterError."""
+        w, key = choice.worker, p.key
         # A worker past its cooldown gets this request as its one trial: the breaker
         # reopens it for other requests until the trial succeeds or fails.
         self.breaker.allow(w.id)
-        self.selector.claim(choice, rid, p.prompt_len, p.hashes)
-        call = self.channels.stub(w.lease.address).Generate(p.upstream, timeout=timeout,
-                                                            metadata=self.channels.metadata)
+        self.selector.claim(choice, key, p.prompt_len, p.hashes)
+        call = self.channels.generate(w.lease.address)(p.upstream, timeout=timeout, metadata=p.metadata)
         checker.reset()
         wait = self.first_token_timeout
         try:
             # A worker that takes calls and never answers costs at most this much.
-            first = await asyncio.wait_for(call.read(), wait)
-            if first is grpc.aio.EOF:
+            raw = await asyncio.wait_for(call.read(), wait)
+            if raw is grpc.aio.EOF:
                 raise BadStream("the stream ended before any response")
-            checker.check(first)
+            first = checker.check_raw(raw)
         except grpc.aio.AioRpcError as e:
-            w.uncredit(rid)
+            w.uncredit(key)
             if e.code() in CLIENT_ERRORS:
                 self.metrics.attempts.labels(w.name, "rejected").inc()
                 self.metrics.decisions.labels(self.policy, "rejected").inc()
@@ -101,58 +119,34 @@ class Proxy:
             raise _TryNext(why) from None
         except (asyncio.TimeoutError, BadStream) as e:
             call.cancel()
-            w.uncredit(rid)
+            w.uncredit(key)
             timed_out = isinstance(e, asyncio.TimeoutError)
             why = f"no response within the first-token deadline ({wait:g}s)" if timed_out else f"invalid stream: {e}"
             self._failed_before_first(w, "timeout_before_first" if timed_out else "bad_stream", why)
             raise _TryNext(why) from None
         except asyncio.CancelledError:
             call.cancel()
-            w.uncredit(rid)
+            w.uncredit(key)
             raise
         self.breaker.success(w.id)
-        w.prefill_done(rid, time.time())
+        w.prefill_done(key, time.time())
         self.metrics.ttft.labels(self.policy, p.model).observe(time.perf_counter() - p.arrived)
         self.metrics.predicted_cached.inc(choice.cached_tokens)
         self.metrics.prompt_tokens.inc(p.prompt_len)
-        return call, first
+        return call, raw, first
 
     def _failed_before_first(self, w: WorkerState, result: str, why: str) -> None:
         self.breaker.failure(w.id)
         self.metrics.attempts.labels(w.name, result).inc()
         log.warning("worker %s failed before the first token (%s); trying the next", w.id, why)
 
-    async def _relay(self, p: Prepared, choice: Choice, call, first: pb.GenerateResponse, checker: StreamChecker,
-                     attempt: int) -> AsyncGenerator[pb.GenerateResponse, None]:
-        w, policy = choice.worker, self.policy
-        reported = False
-        resp = first
-        try:
-            while resp is not grpc.aio.EOF:
-                if resp.finished and resp.index == 0 and not reported and resp.HasField("usage"):
-                    self._observe_usage(p, choice, resp.usage)
-                    reported = True
-                resp.request_id = p.caller_id        # the caller's id, not the tenant-scoped one
-                yield resp
-                resp = await call.read()
-                if resp is not grpc.aio.EOF:
-                    checker.check(resp)
-            checker.check_complete()
-        except (grpc.aio.AioRpcError, BadStream) as e:
-            self.breaker.failure(w.id)
-            self.metrics.attempts.labels(w.name, "failed_mid_stream").inc()
-            self.metrics.decisions.labels(policy, "failed_mid_stream").inc()
-            detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) \
-                else f"invalid stream: {e}"
-            raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                              f"worker {w.id} failed mid-stream ({detail}); tokens already sent cannot be retried") \
-                from None
-        finally:
-            call.cancel()               # no-op when finished; aborts the worker's request otherwise
-            w.finish(p.upstream.request_id, time.time())     # it no longer loads the worker
-        self.metrics.attempts.labels(w.name, "ok").inc()
-        self.metrics.decisions.labels(policy, "ok" if attempt == 0 else "retried_ok").inc()
-        self.metrics.e2e.labels(policy, p.model).observe(time.perf_counter() - p.arrived)
+    def _failed_mid_stream(self, w: WorkerState, e: Exception) -> RouterError:
+        self.breaker.failure(w.id)
+        self.metrics.attempts.labels(w.name, "failed_mid_stream").inc()
+        self.metrics.decisions.labels(self.policy, "failed_mid_stream").inc()
+        detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else f"invalid stream: {e}"
+        return RouterError(grpc.StatusCode.UNAVAILABLE,
+                           f"worker {w.id} failed mid-stream ({detail}); tokens already sent cannot be retried")
 
     def _observe_usage(self, p: Prepared, choice: Choice, usage: pb.Usage) -> None:
         self.metrics.reported_cached.inc(usage.cached_prompt_tokens)

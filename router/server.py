@@ -22,12 +22,11 @@ from protos import serving
 from protos.heap import freeze_heap
 from protos.limits import Limits
 from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 from protos.security import AuthInterceptor, KeyRing, channel_credentials, read_key, server_credentials
 from protos.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
 from router.channels import WorkerChannels
 from router.cluster import Cluster
-from router.grpc_front import RouterService
+from router.grpc_front import RouterService, add_to_server
 from router.index import BlockIndex
 from router.metrics import RouterMetrics
 from router.pipeline import Pipeline
@@ -73,7 +72,7 @@ class Router:
         check_port_free(a.host, self.http_port, "--http-port")
 
     async def start(self) -> int:
-        pb_grpc.add_GenerationServicer_to_server(self.service, self.server)
+        add_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
         reflection.enable_server_reflection([name, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)

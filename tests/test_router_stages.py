@@ -19,7 +19,7 @@ from protos.limits import Limits
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 from protos.redis_schema import Lease
-from protos.security import Identity
+from protos.security import TENANT_HEADER, Identity
 from protos.tokenization import PromptTokenizer, tokenizer_digest
 from router.channels import WorkerChannels
 from router.cluster import Cluster
@@ -79,12 +79,16 @@ def test_preparation_hands_on_a_tokenized_tenant_scoped_request_with_its_hashes(
             up = p.upstream
             assert (p.model, p.field, p.caller_id, p.prompt_len) == ("m", "text", "r1", len(ids))
             assert list(up.token_ids) == ids and not up.HasField("text") and up.model == "m"
-            assert up.cache_salt == "tenant:alice\x00s" and up.request_id == "alice/r1" and up.adapter == "x"
+            # The worker scopes salt and id for the tenant the call names; the router hashes in
+            # that same scoped namespace, and keeps its ledger under the scoped id.
+            assert up.cache_salt == "s" and up.request_id == "r1" and up.adapter == "x"
+            assert (TENANT_HEADER, b"alice") in p.metadata and p.key == "alice/r1"
             assert list(p.hashes) == block_hashes(ids, 16, namespace_root("m", "x", "tenant:alice\x00s"))
             assert req.HasField("text") and req.cache_salt == "s"     # the caller's request is left as it was
             # Without keys: nothing scoped; without an id, one is made and sent as is.
             p = await pipeline.prepare.prepare(pb.GenerateRequest(token_ids=ids, cache_salt="s"), None)
-            assert p.upstream.cache_salt == "s" and p.upstream.request_id == p.caller_id and len(p.caller_id) == 32
+            assert p.upstream.cache_salt == "s" and p.key == p.caller_id and len(p.caller_id) == 32
+            assert not p.metadata
             assert list(p.hashes) == block_hashes(ids, 16, namespace_root("m", "", "s"))
             # Refusals name the field, and come before any worker sees the request.
             for bad, code, head in ((pb.GenerateRequest(token_ids=[1], sampling=pb.SamplingParams(n=5)),
@@ -126,6 +130,28 @@ def test_a_stream_broken_after_its_first_token_is_an_error_and_the_worker_is_unl
                     seen.append(r)
             assert len(seen) == 2 and e.value.code == grpc.StatusCode.UNAVAILABLE and "unfinished" in e.value.message
             assert not w0.credits and len(w0.gone) == 1
+    asyncio.run(go())
+
+
+def test_the_relay_passes_the_workers_bytes_through_and_an_error_after_the_first_token_ends_it():
+    async def go():
+        async with stand_ins({}, {"misbehave": "abort_mid"}) as pipeline:
+            req = pb.GenerateRequest(request_id="r9", model="m", token_ids=list(range(1, 40)),
+                                     sampling=pb.SamplingParams(max_tokens=4))
+            direct = pb_grpc.GenerationStub(pipeline.channels.channel(pipeline.cluster.workers["w0"].lease.address))
+            # Salts apart, so that each call finds the stand-in's cache as cold as the other did.
+            upstream = [r.SerializeToString() async for r in direct.Generate(pb.GenerateRequest(
+                cache_salt="direct", **{f.name: v for f, v in req.ListFields()}))]
+            relayed = [raw async for raw in await pipeline.open(req, 10.0)]     # round_robin: w0, then w1
+            assert relayed == upstream and len(relayed) == 4        # byte for byte, nothing rewritten
+            w1 = pipeline.cluster.workers["w1"]
+            seen = []
+            with pytest.raises(RouterError) as e:
+                async for raw in await pipeline.open(req, 10.0):
+                    seen.append(raw)
+            assert len(seen) == 1 and e.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "w1 failed mid-stream (INTERNAL: stand-in died mid-stream)" in e.value.message
+            assert not w1.credits and "r9" in w1.gone and pipeline.breaker._states["w1"].failures == 1
     asyncio.run(go())
 
 

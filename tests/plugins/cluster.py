@@ -128,6 +128,8 @@ def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_
                         resp.index = 7
                     elif misbehave == "no_finish" and last:
                         return                           # ends the stream OK without finishing
+                    elif misbehave == "abort_mid" and i == 1:
+                        await context.abort(grpc.StatusCode.INTERNAL, "stand-in died mid-stream")
                     if last:
                         resp.finish_reason = pb.FINISH_REASON_LENGTH
                         resp.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=n,
@@ -192,8 +194,9 @@ def main(argv=None) -> None:
     p.add_argument("--fail-first", type=int, default=0, help="answer the first N calls with --fail-code")
     p.add_argument("--fail-code", default="UNAVAILABLE", help="gRPC status name of those answers")
     p.add_argument("--hang", action="store_true", help="take Generate calls and never answer them")
-    p.add_argument("--misbehave", choices=["", "index", "no_finish"], default="",
-                   help="break the stream protocol: a bad sequence index, or no finished response")
+    p.add_argument("--misbehave", choices=["", "index", "no_finish", "abort_mid"], default="",
+                   help="break the stream protocol: a bad sequence index, no finished response, or an "
+                        "error status after the first response")
     p.add_argument("--tokenizer-digest", default="", help="advertise this digest instead of the real one")
     asyncio.run(_serve_fake(p.parse_args(argv)))
 
