@@ -1,0 +1,163 @@
+"""The CPU attention path: paged attention that reads K/V in place from the block pool.
+
+kernels/csrc/paged_attention_cpu.c walks each sequence's blocks through its block table and
+never gathers a context (the reference's per-step index_select of every sequence's blocks was
+a third of a CPU decode step, bench/cpu_attention.py). It is plain C built here at first use
+with the system C compiler (about a second, cached by source, flags and CPU under
+PAGODA_KERNEL_CACHE, default ~/.cache/pagoda/kernels) and called through ctypes, which
+releases the GIL; it splits its work over torch.get_num_threads() threads.
+
+paged_attention_cpu has paged_attention_ref's signature and semantics (kernels/reference.py)
+and falls back to it for what the C kernel does not take: fp8 or non-fp32 caches or queries,
+head_dim not a multiple of 8, non-CPU tensors, or no working C compiler (logged once).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels.reference import paged_attention_ref
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
+QTILE = 8       # query tokens per work item; must match the C source's QTILE
+MAX_D, MAX_ROWS = 256, 256
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PAGODA_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagoda" / "kernels"
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: a cache shared between different CPUs must not mix builds."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    """The built kernel, compiling it on first use; None (and one warning) when that fails."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        log.warning("CPU attention: no C compiler (CC, cc, gcc) found; using the torch reference")
+        return None
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), cc.encode(),
+                                     platform.machine().encode(), _cpu_id().encode()])).hexdigest()[:16]
+    path = cache_dir() / f"paged_attention_cpu-{key}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Build beside the target and rename: workers starting together never load half a file.
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            os.close(fd)
+            try:
+                subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
+                               capture_output=True, timeout=120)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("CPU attention: building %s with %s failed (%s %s); using the torch reference",
+                    SOURCE.name, cc, e, detail.decode(errors="replace")[-500:])
+        return None
+    fn = lib.paged_attention_cpu
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
+                   ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, ptr, i64, i32]
+    fn.restype = ctypes.c_int
+    if lib.qtile() != QTILE:
+        raise RuntimeError(f"{SOURCE.name}: QTILE {lib.qtile()} != {QTILE} in {__name__}")
+    return lib
+
+
+def available() -> bool:
+    return load_library() is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> bool:
+    """Whether the C kernel takes this call (else paged_attention_cpu uses the reference)."""
+    hq, hkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+    return (q.device.type == "cpu" and k_cache.device.type == "cpu"
+            and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and d % 8 == 0 and d <= MAX_D and hq % hkv == 0 and (hq // hkv) * QTILE <= MAX_ROWS
+            and (sinks is None or sinks.device.type == "cpu") and available())
+
+
+def _items(starts: np.ndarray, lens: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """Work items (seq << 32 | tile << 8 | kv head), the most keys first so the threads finish
+    together."""
+    q_lens = np.diff(starts)
+    tiles = -(-q_lens // QTILE)
+    seq = np.repeat(np.arange(len(lens), dtype=np.int64), tiles)
+    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    tile = np.arange(len(seq), dtype=np.int64) - first
+    # keys read by a tile ~ the last position it holds
+    rows = np.minimum(QTILE, q_lens[seq] - tile * QTILE)
+    cost = (lens[seq] - q_lens[seq] + tile * QTILE + rows) * rows
+    order = np.argsort(-cost, kind="stable")
+    seq, tile = seq[order], tile[order]
+    heads = np.arange(num_kv_heads, dtype=np.int64)
+    return ((seq[:, None] << 32) | (tile[:, None] << 8) | heads[None, :]).reshape(-1)
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float,
+                        out: torch.Tensor | None = None, *, max_seq_len: int | None = None,
+                        sliding_window: int | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
+    """paged_attention_ref's contract, computed in place over the pool (see the module doc)."""
+    if not supports(q, k_cache, sinks) or v_cache.dtype != k_cache.dtype:
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                   scale, out, max_seq_len=max_seq_len, sliding_window=sliding_window,
+                                   softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    if out is None:
+        out = torch.empty_like(q)
+    if q.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("q/out: the head dimension must be contiguous")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache/v_cache: the head dimension must be contiguous")
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 \
+        else block_tables.to(torch.int32).contiguous()
+    lens_t = seq_lens.to(torch.int32).contiguous()
+    starts_t = query_start_loc.to(torch.int32).contiguous()
+    items = _items(starts_t.numpy().astype(np.int64), lens_t.numpy().astype(np.int64), k_cache.shape[2])
+    sinks_f = None if sinks is None else sinks.detach().float().contiguous()
+    rc = load_library().paged_attention_cpu(  # type: ignore[union-attr]
+        q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+        k_cache.data_ptr(), *k_cache.stride()[:3], v_cache.data_ptr(), *v_cache.stride()[:3],
+        tables.data_ptr(), tables.stride(0), lens_t.data_ptr(), starts_t.data_ptr(),
+        None if sinks_f is None else sinks_f.data_ptr(), q.shape[1], k_cache.shape[2],
+        k_cache.shape[3], k_cache.shape[1], int(sliding_window or 0), float(scale),
+        float(softcap or 0.0), items.ctypes.data, len(items), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"paged_attention_cpu: kernel refused the shapes (code {rc})")
+    return out

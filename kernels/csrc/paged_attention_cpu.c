@@ -1,0 +1,256 @@
+/* Paged attention for CPUs, reading K/V in place from the block pool (kernels/cpu_attention.py
+ * builds and loads this file; kernels/reference.py defines the layout and the semantics).
+ *
+ * One work item = (sequence, KV head, tile of up to QTILE query tokens): the G query heads that
+ * share the KV head and the tile's tokens make up to G * QTILE query rows, so every key and value
+ * row is loaded once per item and used for all of them. Two passes per item, as the reference:
+ * scores over the visible keys into a scratch row, softmax, then the weighted sum of values.
+ * The pool is walked block by block through the block table: no gather, no padding.
+ *
+ * fp32 only; head_dim a multiple of 8. Plain C with GCC vector extensions (AVX2 with
+ * -march=native, SSE otherwise); no -ffast-math, so NaN/inf behave as in torch.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+
+#define QTILE 8
+#define MAX_ROWS 256 /* G * QTILE */
+#define MAX_D 256
+
+typedef struct {
+    const float *q; int64_t q_st, q_sh;
+    float *out; int64_t o_st, o_sh;
+    const float *k; int64_t k_sb, k_st, k_sh;
+    const float *v; int64_t v_sb, v_st, v_sh;
+    const int32_t *bt; int64_t bt_s;
+    const int32_t *seq_lens, *qsl;
+    const float *sinks;
+    int hq, hkv, d, bs, window;
+    float scale, softcap;
+    const int64_t *items; int64_t n_items;
+    int64_t next;
+} Job;
+
+static inline v8 load8(const float *p) { return *(const v8u *)p; }
+
+static inline float hsum8(v8 a) {
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+static inline v8 select8(v8i mask, v8 a, v8 b) { return (v8)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+
+/* exp on 8 lanes: Cephes-style range reduction and polynomial (about 1 ulp); 0 below -87.3,
+ * NaN stays NaN. */
+static inline v8 exp8(v8 x) {
+    v8i tiny = x < splat(-87.33654475f);
+    x = select8(x > splat(88.3762626647949f), splat(88.3762626647949f), x);
+    /* round to nearest: adding 1.5 * 2^23 leaves the integer part in the mantissa */
+    v8 n = (x * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f);
+    v8 r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    v8 y = r * splat(1.9875691500e-4f) + splat(1.3981999507e-3f);
+    y = y * r + splat(8.3334519073e-3f);
+    y = y * r + splat(4.1665795894e-2f);
+    y = y * r + splat(1.6666665459e-1f);
+    y = y * r + splat(5.0000001201e-1f);
+    y = y * (r * r) + r + splat(1.0f);
+    v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+    y = y * (v8)e;
+    return (v8)((v8i)y & ~tiny);
+}
+
+/* The next block's rows for this head: the pool is read block by block in table order, which a
+ * hardware prefetcher cannot follow across blocks. */
+static inline void prefetch_block(const float *p, int bs, int64_t st, int D) {
+    for (int t = 0; t < bs; t++)
+        for (int c = 0; c < D; c += 16) __builtin_prefetch(p + t * st + c, 0, 3);
+}
+
+/* r[i] = sum of the lanes of a[i], for 8 vectors at once (a transpose by shuffles). */
+static inline v8 hsum8x8(const v8 *a) {
+    const v8i ev = {0, 8, 2, 10, 4, 12, 6, 14}, od = {1, 9, 3, 11, 5, 13, 7, 15};
+    const v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8i lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8 b[4], c[2];
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], ev) + __builtin_shuffle(a[2 * i], a[2 * i + 1], od);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo2) + __builtin_shuffle(b[2 * i], b[2 * i + 1], hi2);
+    return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
+}
+
+/* D is a constant in each instantiation (64, 128, or any multiple of 8), so that a row's
+ * query and accumulator stay in registers. */
+static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64_t item, float *scores, const int D) {
+    int64_t s = item >> 32;
+    int tile = (int)((item >> 8) & 0xFFFFFF);
+    int h = (int)(item & 0xFF);
+    const int G = j->hq / j->hkv, bs = j->bs;
+    const int q0 = j->qsl[s], q_len = j->qsl[s + 1] - q0, seq_len = j->seq_lens[s];
+    const int r0 = tile * QTILE, r1 = r0 + QTILE < q_len ? r0 + QTILE : q_len;
+    const int nt = r1 - r0, rows = nt * G;
+    const int first_pos = seq_len - q_len;
+    /* keys visible to any row of the tile: [lo, hi] */
+    const int hi = first_pos + r1 - 1;
+    int lo = 0;
+    if (j->window > 0) { lo = first_pos + r0 - j->window + 1; if (lo < 0) lo = 0; }
+    const int nk = hi - lo + 1;
+    const int stride = (nk + 7) & ~7;
+    const int32_t *table = j->bt + s * j->bt_s;
+
+    float qbuf[MAX_ROWS * MAX_D] __attribute__((aligned(32)));
+    for (int t = 0; t < nt; t++)
+        for (int g = 0; g < G; g++) {
+            const float *src = j->q + (int64_t)(q0 + r0 + t) * j->q_st + (int64_t)(h * G + g) * j->q_sh;
+            memcpy(qbuf + (t * G + g) * D, src, sizeof(float) * D);
+        }
+
+    /* pass 1: scaled scores, eight keys at a time where a block has them */
+    const v8 vscale = splat(j->scale);
+    for (int b = lo / bs; b <= hi / bs; b++) {
+        int t0 = b * bs < lo ? lo - b * bs : 0;
+        int t1 = (b + 1) * bs - 1 > hi ? hi - b * bs : bs - 1;
+        const float *kb = j->k + (int64_t)table[b] * j->k_sb + (int64_t)h * j->k_sh;
+        if (b < hi / bs) prefetch_block(j->k + (int64_t)table[b + 1] * j->k_sb + (int64_t)h * j->k_sh, bs, j->k_st, D);
+        for (int r = 0; r < rows; r++) {
+            const float *qr = qbuf + r * D;
+            float *srow = scores + r * stride + b * bs - lo;
+            int t = t0;
+            for (; t + 8 <= t1 + 1; t += 8) {
+                v8 acc[8];
+                for (int u = 0; u < 8; u++) {
+                    const float *kr = kb + (int64_t)(t + u) * j->k_st;
+                    acc[u] = load8(qr) * load8(kr);
+                    for (int c = 8; c < D; c += 8) acc[u] += load8(qr + c) * load8(kr + c);
+                }
+                *(v8u *)(srow + t) = hsum8x8(acc) * vscale;
+            }
+            for (; t <= t1; t++) {
+                const float *kr = kb + (int64_t)t * j->k_st;
+                v8 acc = load8(qr) * load8(kr);
+                for (int c = 8; c < D; c += 8) acc += load8(qr + c) * load8(kr + c);
+                srow[t] = hsum8(acc) * j->scale;
+            }
+        }
+    }
+    /* softmax per row over its own visible range (masked columns get probability 0) */
+    float inv[MAX_ROWS];
+    for (int r = 0; r < rows; r++) {
+        int t = r / G, g = r % G;
+        int pos = first_pos + r0 + t;
+        int rlo = 0;
+        if (j->window > 0) { rlo = pos - j->window + 1; if (rlo < 0) rlo = 0; }
+        int a = rlo - lo, z = pos - lo; /* inclusive columns */
+        float *row = scores + r * stride;
+        if (j->softcap > 0)
+            for (int c = a; c <= z; c++) row[c] = tanhf(row[c] / j->softcap) * j->softcap;
+        float m = -INFINITY;
+        for (int c = a; c <= z; c++) m = row[c] > m ? row[c] : m;
+        float sink = 0;
+        if (j->sinks) { sink = j->sinks[h * G + g]; m = sink > m ? sink : m; }
+        for (int c = 0; c < a; c++) row[c] = -INFINITY;
+        for (int c = z + 1; c < stride; c++) row[c] = -INFINITY;
+        v8 vm = splat(m);
+        v8 sum = {0};
+        for (int c = 0; c < stride; c += 8) {
+            v8 p = exp8(load8(row + c) - vm);
+            *(v8u *)(row + c) = p;
+            sum += p;
+        }
+        float total = hsum8(sum);
+        if (j->sinks) total += expf(sink - m);
+        inv[r] = 1.0f / total;
+    }
+    /* pass 2: weighted values, a row's accumulator held in registers over a block */
+    float acc[MAX_ROWS * MAX_D] __attribute__((aligned(32)));
+    memset(acc, 0, sizeof(float) * rows * D);
+    for (int b = lo / bs; b <= hi / bs; b++) {
+        int t0 = b * bs < lo ? lo - b * bs : 0;
+        int t1 = (b + 1) * bs - 1 > hi ? hi - b * bs : bs - 1;
+        const float *vb = j->v + (int64_t)table[b] * j->v_sb + (int64_t)h * j->v_sh;
+        if (b < hi / bs) prefetch_block(j->v + (int64_t)table[b + 1] * j->v_sb + (int64_t)h * j->v_sh, bs, j->v_st, D);
+        for (int r = 0; r < rows; r++) {
+            const float *prow = scores + r * stride + b * bs - lo;
+            float *ar = acc + r * D;
+            v8 a[MAX_D / 8];
+            for (int c = 0; c < D; c += 8) a[c / 8] = load8(ar + c);
+            for (int t = t0; t <= t1; t++) {
+                const float *vr = vb + (int64_t)t * j->v_st;
+                v8 p = splat(prow[t]);
+                for (int c = 0; c < D; c += 8) a[c / 8] += load8(vr + c) * p;
+            }
+            for (int c = 0; c < D; c += 8) *(v8u *)(ar + c) = a[c / 8];
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        for (int g = 0; g < G; g++) {
+            int r = t * G + g;
+            float *dst = j->out + (int64_t)(q0 + r0 + t) * j->o_st + (int64_t)(h * G + g) * j->o_sh;
+            for (int c = 0; c < D; c++) dst[c] = acc[r * D + c] * inv[r];
+        }
+}
+
+static void run_item(const Job *j, int64_t item, float *scores) {
+    if (j->d == 64) run_item_d(j, item, scores, 64);
+    else if (j->d == 128) run_item_d(j, item, scores, 128);
+    else run_item_d(j, item, scores, j->d);
+}
+
+static void *worker(void *arg) {
+    Job *j = (Job *)arg;
+    float *scores = NULL;
+    size_t cap = 0;
+    for (;;) {
+        int64_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (i >= j->n_items) break;
+        int64_t s = j->items[i] >> 32;
+        int q_len = j->qsl[s + 1] - j->qsl[s];
+        int G = j->hq / j->hkv;
+        int rows = (q_len < QTILE ? q_len : QTILE) * G;
+        size_t need = (size_t)rows * (size_t)((j->seq_lens[s] + 7 + 8) & ~7);
+        if (need > cap) {
+            free(scores);
+            cap = need * 2;
+            scores = aligned_alloc(32, ((cap * sizeof(float)) + 31) & ~(size_t)31);
+            if (!scores) { cap = 0; continue; }
+        }
+        run_item(j, j->items[i], scores);
+    }
+    free(scores);
+    return NULL;
+}
+
+/* Returns 0 on success; items are (seq << 32) | (tile << 8) | kv_head, heaviest first. */
+int paged_attention_cpu(const float *q, int64_t q_st, int64_t q_sh,
+                        float *out, int64_t o_st, int64_t o_sh,
+                        const float *k, int64_t k_sb, int64_t k_st, int64_t k_sh,
+                        const float *v, int64_t v_sb, int64_t v_st, int64_t v_sh,
+                        const int32_t *bt, int64_t bt_s,
+                        const int32_t *seq_lens, const int32_t *qsl,
+                        const float *sinks, int hq, int hkv, int d, int bs, int window,
+                        float scale, float softcap,
+                        const int64_t *items, int64_t n_items, int threads) {
+    if (d % 8 || d > MAX_D || hq % hkv || (hq / hkv) * QTILE > MAX_ROWS) return 1;
+    Job j = {q, q_st, q_sh, out, o_st, o_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh,
+             bt, bt_s, seq_lens, qsl, sinks, hq, hkv, d, bs, window, scale, softcap,
+             items, n_items, 0};
+    if (threads > 64) threads = 64;
+    pthread_t tid[64];
+    int started = 0;
+    for (int i = 1; i < threads && (int64_t)i < n_items; i++)
+        if (pthread_create(&tid[started], NULL, worker, &j) == 0) started++;
+    worker(&j);
+    for (int i = 0; i < started; i++) pthread_join(tid[i], NULL);
+    return 0;
+}
+
+int qtile(void) { return QTILE; }
