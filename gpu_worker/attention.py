@@ -1,8 +1,10 @@
 """Paged attention layer: write a step's K/V into the block pool by slot mapping, then attend.
 
-The backend is picked once per model from config.attention_backend: "torch" uses the
-kernels.reference functions (the exact CPU path), "triton" the Triton kernels (imported
-lazily), "auto" Triton on CUDA and torch elsewhere.
+The backend is picked once per model from config.attention_backend: "cpu" reads K/V in place
+from the pool with kernels/cpu_attention.py (a C kernel built at start; it falls back to the
+reference by itself for what it does not take, fp8 pools among them), "torch" uses the
+kernels.reference functions (the exact oracle, always available), "triton" the Triton kernels
+(imported lazily), "auto" Triton on CUDA and cpu elsewhere.
 """
 from __future__ import annotations
 
@@ -27,10 +29,13 @@ class AttentionMetadata:
     max_seq_len: int | None = None
 
 
+BACKENDS = ("auto", "cpu", "torch", "triton")
+
+
 def resolve_backend(name: str, device: torch.device) -> str:
-    """auto -> triton on CUDA, torch elsewhere; the model's fused ops follow the same choice."""
+    """auto -> triton on CUDA, cpu elsewhere; the model's fused ops follow the same choice."""
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "cpu"
     return name
 
 
@@ -39,13 +44,19 @@ def select_backend(name: str, device: torch.device) -> tuple[Callable, Callable]
     name = resolve_backend(name, device)
     if name == "torch":
         return write_kv_cache_ref, paged_attention_ref
+    if name == "cpu":
+        from kernels import cpu_attention
+        # Built now, during start-up, not in the first step; without a compiler this warns once
+        # and every call takes the reference.
+        cpu_attention.available()
+        return write_kv_cache_ref, cpu_attention.paged_attention_cpu
     if name == "triton":
         # Off CUDA the kernels run under Triton's interpreter (kernels/launch.py): exact but
         # slow, for the CPU twins of the GPU tests.
         from kernels.triton_attention import paged_attention_triton
         from kernels.triton_cache import write_kv_cache_triton
         return write_kv_cache_triton, paged_attention_triton
-    raise ValueError(f"attention_backend: must be auto, torch or triton (got {name!r})")
+    raise ValueError(f"attention_backend: must be one of {', '.join(BACKENDS)} (got {name!r})")
 
 
 class PagedAttention(nn.Module):

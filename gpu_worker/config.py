@@ -36,9 +36,9 @@ class EngineConfig:
     max_model_len: Optional[int] = None         # default: the checkpoint's
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"             # fcfs | priority
-    # auto: Triton kernels on CUDA, torch reference on CPU. PAGODA_ATTENTION=torch forces the
-    # reference everywhere, for debugging.
-    attention_backend: str = "auto"             # auto | torch | triton
+    # auto: Triton kernels on CUDA, the in-place C kernel on CPU (kernels/cpu_attention.py).
+    # PAGODA_ATTENTION=torch forces the reference everywhere, for debugging.
+    attention_backend: str = "auto"             # auto | cpu | torch | triton
     max_waiting: int = 1024                     # queue bound; beyond it requests are refused
     enforce_eager: bool = False                 # no CUDA graphs for decode (CUDA only)
     tensor_parallel_size: int = 1               # ranks (GPUs) one model is split over
@@ -60,8 +60,9 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy: must be fcfs or priority (got {self.scheduling_policy!r})")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: must be cpu, cuda or auto (got {self.device!r})")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend: must be auto, torch or triton (got {self.attention_backend!r})")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError("attention_backend: must be auto, cpu, torch or triton "
+                             f"(got {self.attention_backend!r})")
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ValueError(f"model_impl: must be auto, native or transformers (got {self.model_impl!r})")
         if self.kv_cache_dtype not in ("auto", "fp8"):

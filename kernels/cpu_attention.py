@@ -90,7 +90,7 @@ def load_library() -> ctypes.CDLL | None:
     fn = lib.paged_attention_cpu
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                   ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, ptr, i64, i32]
+                   ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr, i64, i32]
     fn.restype = ctypes.c_int
     if lib.qtile() != QTILE:
         raise RuntimeError(f"{SOURCE.name}: QTILE {lib.qtile()} != {QTILE} in {__name__}")
@@ -110,9 +110,9 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, sinks: torch.Tensor | None 
             and (sinks is None or sinks.device.type == "cpu") and available())
 
 
-def _items(starts: np.ndarray, lens: np.ndarray, num_kv_heads: int) -> np.ndarray:
-    """Work items (seq << 32 | tile << 8 | kv head), the most keys first so the threads finish
-    together."""
+def _items(starts: np.ndarray, lens: np.ndarray, num_groups: int) -> np.ndarray:
+    """Work items (seq << 32 | tile << 8 | KV head group), the most keys first so the threads
+    finish together."""
     q_lens = np.diff(starts)
     tiles = -(-q_lens // QTILE)
     seq = np.repeat(np.arange(len(lens), dtype=np.int64), tiles)
@@ -123,7 +123,7 @@ def _items(starts: np.ndarray, lens: np.ndarray, num_kv_heads: int) -> np.ndarra
     cost = (lens[seq] - q_lens[seq] + tile * QTILE + rows) * rows
     order = np.argsort(-cost, kind="stable")
     seq, tile = seq[order], tile[order]
-    heads = np.arange(num_kv_heads, dtype=np.int64)
+    heads = np.arange(num_groups, dtype=np.int64)
     return ((seq[:, None] << 32) | (tile[:, None] << 8) | heads[None, :]).reshape(-1)
 
 
@@ -133,8 +133,11 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         out: torch.Tensor | None = None, *, max_seq_len: int | None = None,
                         sliding_window: int | None = None, softcap: float | None = None,
                         sinks: torch.Tensor | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0) -> torch.Tensor:
-    """paged_attention_ref's contract, computed in place over the pool (see the module doc)."""
+                        v_scale: float = 1.0, heads_per_item: int | None = None) -> torch.Tensor:
+    """paged_attention_ref's contract, computed in place over the pool (see the module doc).
+
+    heads_per_item: KV heads one work item covers (default: all of them, which reads each
+    block's heads as one contiguous run, unless that leaves too few items for the threads)."""
     if not supports(q, k_cache, sinks) or v_cache.dtype != k_cache.dtype:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                    scale, out, max_seq_len=max_seq_len, sliding_window=sliding_window,
@@ -149,15 +152,22 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         else block_tables.to(torch.int32).contiguous()
     lens_t = seq_lens.to(torch.int32).contiguous()
     starts_t = query_start_loc.to(torch.int32).contiguous()
-    items = _items(starts_t.numpy().astype(np.int64), lens_t.numpy().astype(np.int64), k_cache.shape[2])
+    starts_np, lens_np = starts_t.numpy().astype(np.int64), lens_t.numpy().astype(np.int64)
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    threads = torch.get_num_threads()
+    if heads_per_item is None:
+        tiles = int((-(-np.diff(starts_np) // QTILE)).sum())
+        fits = hq * QTILE <= MAX_ROWS
+        heads_per_item = hkv if fits and tiles >= 4 * threads else 1
+    items = _items(starts_np, lens_np, hkv // heads_per_item)
     sinks_f = None if sinks is None else sinks.detach().float().contiguous()
     rc = load_library().paged_attention_cpu(  # type: ignore[union-attr]
         q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
         k_cache.data_ptr(), *k_cache.stride()[:3], v_cache.data_ptr(), *v_cache.stride()[:3],
         tables.data_ptr(), tables.stride(0), lens_t.data_ptr(), starts_t.data_ptr(),
-        None if sinks_f is None else sinks_f.data_ptr(), q.shape[1], k_cache.shape[2],
-        k_cache.shape[3], k_cache.shape[1], int(sliding_window or 0), float(scale),
-        float(softcap or 0.0), items.ctypes.data, len(items), torch.get_num_threads())
+        None if sinks_f is None else sinks_f.data_ptr(), hq, hkv, k_cache.shape[3],
+        k_cache.shape[1], int(sliding_window or 0), float(scale), float(softcap or 0.0),
+        heads_per_item, items.ctypes.data, len(items), threads)
     if rc:
         raise RuntimeError(f"paged_attention_cpu: kernel refused the shapes (code {rc})")
     return out

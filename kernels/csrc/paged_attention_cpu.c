@@ -32,7 +32,7 @@ typedef struct {
     const int32_t *bt; int64_t bt_s;
     const int32_t *seq_lens, *qsl;
     const float *sinks;
-    int hq, hkv, d, bs, window;
+    int hq, hkv, d, bs, window, heads_per_item;
     float scale, softcap;
     const int64_t *items; int64_t n_items;
     int64_t next;
@@ -93,11 +93,11 @@ static inline v8 hsum8x8(const v8 *a) {
 static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64_t item, float *scores, const int D) {
     int64_t s = item >> 32;
     int tile = (int)((item >> 8) & 0xFFFFFF);
-    int h = (int)(item & 0xFF);
+    const int h0 = (int)(item & 0xFF) * j->heads_per_item, nh = j->heads_per_item;
     const int G = j->hq / j->hkv, bs = j->bs;
     const int q0 = j->qsl[s], q_len = j->qsl[s + 1] - q0, seq_len = j->seq_lens[s];
     const int r0 = tile * QTILE, r1 = r0 + QTILE < q_len ? r0 + QTILE : q_len;
-    const int nt = r1 - r0, rows = nt * G;
+    const int nt = r1 - r0, hrows = nt * G, rows = hrows * nh;
     const int first_pos = seq_len - q_len;
     /* keys visible to any row of the tile: [lo, hi] */
     const int hi = first_pos + r1 - 1;
@@ -108,20 +108,24 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
     const int32_t *table = j->bt + s * j->bt_s;
 
     float qbuf[MAX_ROWS * MAX_D] __attribute__((aligned(32)));
-    for (int t = 0; t < nt; t++)
-        for (int g = 0; g < G; g++) {
-            const float *src = j->q + (int64_t)(q0 + r0 + t) * j->q_st + (int64_t)(h * G + g) * j->q_sh;
-            memcpy(qbuf + (t * G + g) * D, src, sizeof(float) * D);
-        }
+    /* row r = (local head hl, token t, group member g): hl * hrows + t * G + g */
+    for (int hl = 0; hl < nh; hl++)
+        for (int t = 0; t < nt; t++)
+            for (int g = 0; g < G; g++) {
+                const float *src = j->q + (int64_t)(q0 + r0 + t) * j->q_st + (int64_t)((h0 + hl) * G + g) * j->q_sh;
+                memcpy(qbuf + (hl * hrows + t * G + g) * D, src, sizeof(float) * D);
+            }
 
     /* pass 1: scaled scores, eight keys at a time where a block has them */
     const v8 vscale = splat(j->scale);
     for (int b = lo / bs; b <= hi / bs; b++) {
         int t0 = b * bs < lo ? lo - b * bs : 0;
         int t1 = (b + 1) * bs - 1 > hi ? hi - b * bs : bs - 1;
+        for (int hl = 0; hl < nh; hl++) {
+        const int h = h0 + hl;
         const float *kb = j->k + (int64_t)table[b] * j->k_sb + (int64_t)h * j->k_sh;
-        if (b < hi / bs) prefetch_block(j->k + (int64_t)table[b + 1] * j->k_sb + (int64_t)h * j->k_sh, bs, j->k_st, D);
-        for (int r = 0; r < rows; r++) {
+        if (b + 2 <= hi / bs) prefetch_block(j->k + (int64_t)table[b + 2] * j->k_sb + (int64_t)h * j->k_sh, bs, j->k_st, D);
+        for (int r = hl * hrows; r < (hl + 1) * hrows; r++) {
             const float *qr = qbuf + r * D;
             float *srow = scores + r * stride + b * bs - lo;
             int t = t0;
@@ -141,11 +145,12 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
                 srow[t] = hsum8(acc) * j->scale;
             }
         }
+        }
     }
     /* softmax per row over its own visible range (masked columns get probability 0) */
     float inv[MAX_ROWS];
     for (int r = 0; r < rows; r++) {
-        int t = r / G, g = r % G;
+        int t = (r % hrows) / G, g = r % G, h = h0 + r / hrows;
         int pos = first_pos + r0 + t;
         int rlo = 0;
         if (j->window > 0) { rlo = pos - j->window + 1; if (rlo < 0) rlo = 0; }
@@ -176,9 +181,11 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
     for (int b = lo / bs; b <= hi / bs; b++) {
         int t0 = b * bs < lo ? lo - b * bs : 0;
         int t1 = (b + 1) * bs - 1 > hi ? hi - b * bs : bs - 1;
+        for (int hl = 0; hl < nh; hl++) {
+        const int h = h0 + hl;
         const float *vb = j->v + (int64_t)table[b] * j->v_sb + (int64_t)h * j->v_sh;
-        if (b < hi / bs) prefetch_block(j->v + (int64_t)table[b + 1] * j->v_sb + (int64_t)h * j->v_sh, bs, j->v_st, D);
-        for (int r = 0; r < rows; r++) {
+        if (b + 2 <= hi / bs) prefetch_block(j->v + (int64_t)table[b + 2] * j->v_sb + (int64_t)h * j->v_sh, bs, j->v_st, D);
+        for (int r = hl * hrows; r < (hl + 1) * hrows; r++) {
             const float *prow = scores + r * stride + b * bs - lo;
             float *ar = acc + r * D;
             v8 a[MAX_D / 8];
@@ -190,10 +197,10 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
             }
             for (int c = 0; c < D; c += 8) *(v8u *)(ar + c) = a[c / 8];
         }
+        }
     }
-    for (int t = 0; t < nt; t++)
-        for (int g = 0; g < G; g++) {
-            int r = t * G + g;
+    for (int r = 0; r < rows; r++) {
+            int t = (r % hrows) / G, g = r % G, h = h0 + r / hrows;
             float *dst = j->out + (int64_t)(q0 + r0 + t) * j->o_st + (int64_t)(h * G + g) * j->o_sh;
             for (int c = 0; c < D; c++) dst[c] = acc[r * D + c] * inv[r];
         }
@@ -215,7 +222,7 @@ static void *worker(void *arg) {
         int64_t s = j->items[i] >> 32;
         int q_len = j->qsl[s + 1] - j->qsl[s];
         int G = j->hq / j->hkv;
-        int rows = (q_len < QTILE ? q_len : QTILE) * G;
+        int rows = (q_len < QTILE ? q_len : QTILE) * G * j->heads_per_item;
         size_t need = (size_t)rows * (size_t)((j->seq_lens[s] + 7 + 8) & ~7);
         if (need > cap) {
             free(scores);
@@ -237,11 +244,12 @@ int paged_attention_cpu(const float *q, int64_t q_st, int64_t q_sh,
                         const int32_t *bt, int64_t bt_s,
                         const int32_t *seq_lens, const int32_t *qsl,
                         const float *sinks, int hq, int hkv, int d, int bs, int window,
-                        float scale, float softcap,
+                        float scale, float softcap, int heads_per_item,
                         const int64_t *items, int64_t n_items, int threads) {
-    if (d % 8 || d > MAX_D || hq % hkv || (hq / hkv) * QTILE > MAX_ROWS) return 1;
+    if (d % 8 || d > MAX_D || hq % hkv || heads_per_item < 1 || hkv % heads_per_item
+        || (hq / hkv) * heads_per_item * QTILE > MAX_ROWS) return 1;
     Job j = {q, q_st, q_sh, out, o_st, o_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh,
-             bt, bt_s, seq_lens, qsl, sinks, hq, hkv, d, bs, window, scale, softcap,
+             bt, bt_s, seq_lens, qsl, sinks, hq, hkv, d, bs, window, heads_per_item, scale, softcap,
              items, n_items, 0};
     if (threads > 64) threads = 64;
     pthread_t tid[64];
