@@ -184,8 +184,8 @@ def test_runner_attributes_and_block_sizing(tiny_model):
 
 def test_backend_dispatch():
     from gpu_worker.attention import select_backend
-    from kernels.reference import paged_attention_ref, write_kv_cache_ref
     from kernels.cpu_attention import paged_attention_cpu
+    from kernels.reference import paged_attention_ref, write_kv_cache_ref
     cpu = torch.device("cpu")
     assert select_backend("torch", cpu) == (write_kv_cache_ref, paged_attention_ref)
     assert select_backend("auto", cpu) == select_backend("cpu", cpu) == (write_kv_cache_ref, paged_attention_cpu)
