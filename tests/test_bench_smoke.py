@@ -122,3 +122,13 @@ def test_vs_vllm_agreement():
     # Request 1 equal, request 2 diverges at its third token: 1 of 2 requests, 4 + 2 of 8 tokens.
     assert agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 3, 4], [5, 6, 0, 8]]) == (0.5, 6 / 8)
     assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0 and quantile([1.0, 2.0, 3.0, 4.0], 0.9) == 4.0
+
+
+@pytest.mark.timeout(120)
+def test_cpu_attention_quick():
+    out = run_script("cpu_attention.py", "--reps", "1")
+    rows = table_rows(out, "case")
+    assert {(r["case"], r["option"]) for r in rows} >= {(c, o) for c in ("decode", "prefill", "prefix", "mixed")
+                                                        for o in ("torch-ref", "cpu")}
+    assert all(float(r["max abs err"]) <= 1e-5 for r in rows)
+    assert "C kernel build" in out
