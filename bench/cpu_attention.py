@@ -33,6 +33,7 @@ import random
 import sys
 import tempfile
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -143,7 +144,7 @@ def main() -> None:
         sys.exit("cpu_attention: the C kernel did not build here (see the warning above)")
     gen = torch.Generator().manual_seed(0)
     batches = cases(args.quick, gen)
-    options = {"torch-ref": paged_attention_ref, "cpu": cpu_attention.paged_attention_cpu,
+    options: dict[str, Callable[..., torch.Tensor]] = {"torch-ref": paged_attention_ref, "cpu": cpu_attention.paged_attention_cpu,
                "sdpa-causal": sdpa_causal}
     compile_s = None
     if args.inductor:
@@ -151,7 +152,7 @@ def main() -> None:
     rows = []
     for case, b in batches.items():
         ref = paged_attention_ref(**b)
-        base = None
+        base = 1.0
         for name, fn in options.items():
             if (name == "sdpa-causal" and case != "prefill") or (name == "inductor" and case != "decode"):
                 continue
