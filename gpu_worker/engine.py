@@ -225,13 +225,15 @@ class LLMEngine:
         elif flags & LENGTH:
             status = RequestStatus.FINISHED_LENGTH
         logprobs = [req.logprobs[-1]] if p.logprobs is not None and req.logprobs else None
+        # The prompt's scores go out once, with the first token (the last prompt chunk's step).
+        prompt_lps = req.prompt_logprobs if req.wants_prompt_logprobs and len(req.output_token_ids) == 1 else None
         if status is None:      # the common case, without the property calls of _delta
             return StreamDelta(req.parent_id, req.index, [token], detok.take_delta(False), logprobs, False,
                                None, None, len(req.prompt_token_ids), max(0, req.num_cached_tokens),
-                               len(req.output_token_ids))
+                               len(req.output_token_ids), prompt_lps)
         detok.flush()
         self._finish(req, status)
-        return self._delta(req, [token], detok.take_delta(True), logprobs)
+        return self._delta(req, [token], detok.take_delta(True), logprobs, prompt_lps)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.req_id in self.scheduler.requests:   # running, or preempted since its step
@@ -246,12 +248,13 @@ class LLMEngine:
                 del self.children[req.parent_id]
 
     def _delta(self, req: Request, token_ids: list[int], text: str,
-               logprobs=None) -> StreamDelta:
+               logprobs=None, prompt_logprobs=None) -> StreamDelta:
         return StreamDelta(
             request_id=req.parent_id, index=req.index, token_ids=token_ids, text=text,
             logprobs=logprobs, finished=req.is_finished, finish_reason=req.finish_reason,
             stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(0, req.num_cached_tokens), num_output_tokens=req.num_output_tokens)
+            num_cached_tokens=max(0, req.num_cached_tokens), num_output_tokens=req.num_output_tokens,
+            prompt_logprobs=prompt_logprobs)
 
     # ---- introspection -----------------------------------------------------------------
 

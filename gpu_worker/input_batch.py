@@ -48,6 +48,17 @@ class StepInputs:
     # (positions in input_ids, indices into the previous step's draw) of tokens still in
     # flight; None when every input token is known on the host.
     in_flight: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    prompt_scores: Optional[PromptScores] = None
+
+
+@dataclass
+class PromptScores:
+    """Prompt tokens a step scores (prompt_logprobs): the logits of token row r score the prompt
+    token after it. Their logits follow the sampling rows' (StepInputs.logits_indices first)."""
+    spans: list[tuple[str, int, int, int]]   # (request id, first position, positions, top-k)
+    token_rows: torch.Tensor                 # [P] on the device: rows of input_ids
+    targets: np.ndarray                      # [P]: the prompt token each row scores
+    targets_dev: torch.Tensor                # the same on the device
 
 
 class InputBatch:
@@ -75,6 +86,7 @@ class InputBatch:
         self.min_tokens = np.zeros(r, np.int64)
         self.max_tokens = np.zeros(r, np.int64)
         self.num_logprobs = np.full(r, -1, np.int64)   # -1: none wanted
+        self.num_prompt_logprobs = np.full(r, -1, np.int64)   # -1: no prompt tokens to score
         # Tokens that min_tokens holds back (stop ids, EOS unless ignored); -1 pads.
         self.stop_ids = np.full((r, MAX_STOP_STRINGS + len(self.eos)), -1, np.int64)
         self.generators: dict[int, torch.Generator] = {}
@@ -148,6 +160,7 @@ class InputBatch:
         self.block_table[row, :nb] = new.block_ids
         self.num_blocks[row] = nb
         self.pending_src[row] = -1
+        self.num_prompt_logprobs[row] = new.prompt_logprobs
         p = new.sampling_params
         if p is None:       # a profiling row: greedy, nothing else
             self.params[row] = (0.0, 1.0, self.vocab_size, 0.0, 1.0, 0.0, 0.0)
@@ -187,7 +200,7 @@ class InputBatch:
             self.block_table[row, :nb] = self.block_table[last, :nb]
             for a in (self.num_tokens, self.num_computed, self.num_prompt, self.num_blocks, self.pending_src,
                       self.pending_pos, self.params, self.min_tokens, self.max_tokens, self.num_logprobs,
-                      self.stop_ids):
+                      self.num_prompt_logprobs, self.stop_ids):
                 a[row] = a[last]
             for extra in extras:
                 if last in extra:
@@ -243,6 +256,8 @@ class InputBatch:
         i32[o_qsl + 1:o_qsl + 1 + s] = cu
         i32[o_len:o_len + s] = seq_lens
         i32[o_bt:o_bt + s * mb] = self.block_table[rows, :mb].reshape(-1)
+        scores = self._prompt_scores(scheduled, rows, start, n, cu) if (self.num_prompt_logprobs[rows] >= 0).any() \
+            else None
         d64, d32 = self._to_device(self.dev_i64, self.host_i64, o_fs + f), \
             self._to_device(self.dev_i32, self.host_i32, o_bt + s * mb)
         # Advance progress now: this step's KV is written by the forward that follows.
@@ -253,7 +268,26 @@ class InputBatch:
                                  max_seq_len=int(seq_lens.max()))
         return StepInputs(d64[o_ids:o_ids + t], d64[o_pos:o_pos + t], meta, d64[o_lg:o_lg + b],
                           rows[sample_seq], [scheduled[i].req_id for i in sample_seq],
-                          (d64[o_fd:o_fd + f], d64[o_fs:o_fs + f]) if f else None)
+                          (d64[o_fd:o_fd + f], d64[o_fs:o_fs + f]) if f else None, scores)
+
+    def _prompt_scores(self, scheduled: list[ScheduledRequest], rows: np.ndarray, start: np.ndarray,
+                       n: np.ndarray, cu: np.ndarray) -> Optional[PromptScores]:
+        """The positions p of this step whose next token is a prompt token of a row that scores
+        its prompt: the logits at p give that token's log-probability."""
+        spans, token_rows, targets = [], [], []
+        for i in np.flatnonzero(self.num_prompt_logprobs[rows] >= 0).tolist():
+            row, first = int(rows[i]), int(start[i])
+            end = min(first + int(n[i]), int(self.num_prompt[row]) - 1)
+            if end <= first:
+                continue
+            at = int(cu[i] - n[i])
+            spans.append((scheduled[i].req_id, first, end - first, int(self.num_prompt_logprobs[row])))
+            token_rows.append(np.arange(at, at + end - first))
+            targets.append(self.token_ids[row, first + 1:end + 1])
+        if not spans:
+            return None
+        tgt = np.concatenate(targets)
+        return PromptScores(spans, self._upload(np.concatenate(token_rows)), tgt, self._upload(tgt))
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:
         """A small host array on the device, pinned and non-blocking on CUDA: a plain copy would

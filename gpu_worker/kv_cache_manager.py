@@ -30,7 +30,7 @@ class KVCacheManager:
         At most num_tokens - 1 tokens: the last token is always computed so that the step
         yields logits to sample from.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.prompt_logprobs_pending():
             return [], 0
         limit = (request.num_tokens - 1) // self.block_size
         hits = []

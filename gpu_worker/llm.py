@@ -65,6 +65,8 @@ class LLM:
                     c.logprobs.extend(d.logprobs)
                 if d.index == 0:
                     ro.num_cached_tokens = d.num_cached_tokens
+                if d.prompt_logprobs is not None:
+                    ro.prompt_logprobs = [None, *d.prompt_logprobs]
                 if d.finished:
                     c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
                     left -= 1

@@ -22,12 +22,12 @@ from gpu_worker import distributed
 from gpu_worker.attention import AttentionMetadata, resolve_backend, select_backend
 from gpu_worker.config import EngineConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
-from gpu_worker.input_batch import InputBatch, StepInputs
+from gpu_worker.input_batch import InputBatch, PromptScores, StepInputs
 from gpu_worker.loader import load_hf_config, load_model, resolve_dtype, resolve_model
 from gpu_worker.memory import cuda_graph_bytes, kv_budget_bytes, sampler_workspace_bytes
 from gpu_worker.models.llama import use_triton_ops
 from gpu_worker.models.parallel import Shard, check_tensor_parallel
-from gpu_worker.outputs import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
+from gpu_worker.outputs import Logprob, ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from gpu_worker.sampler import Sampled, Sampler
 from gpu_worker.warmup import WarmupStep, warmup_plan
 from kernels.fp8 import kv_cache_dtype
@@ -43,7 +43,10 @@ class InFlight:
     its way."""
     req_ids: list[str]
     positions: np.ndarray
-    sampled: Sampled
+    sampled: Optional[Sampled]            # None: nothing in the step samples
+    # Prompt tokens scored (prompt_logprobs): what they are, and their scores on the device,
+    # float64 [P, 1 + 2k] (the token's own log-probability, k top values, k top ids).
+    prompt: Optional[tuple[PromptScores, torch.Tensor, int]] = None
 
 
 def load_tokenizer(model_path: str) -> PromptTokenizer:
@@ -278,7 +281,10 @@ class ModelRunner:
                 raise RuntimeError("a step with tokens in flight needs the previous draw on this rank")
             dst, src = inputs.in_flight
             inputs.input_ids[dst] = self.last_draw[src]
-        args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+        indices = inputs.logits_indices
+        if inputs.prompt_scores is not None:     # their logits come after the sampling rows'
+            indices = torch.cat([indices, inputs.prompt_scores.token_rows])
+        args = (inputs.input_ids, inputs.positions, inputs.meta, indices)
         if self.tp is None:
             return self.run_model(*args), inputs
         # Every rank runs the same step on its shard: one broadcast of the step's inputs.
@@ -323,23 +329,56 @@ class ModelRunner:
         if not out.scheduled:
             return None
         logits, inputs = self._run_model(out.scheduled)
-        if not inputs.req_ids:
-            return None
-        sampled = self.sampler.draw(logits, self.batch.sampling_batch(inputs.sample_rows, self.last_draw))
+        b = len(inputs.req_ids)
+        prompt = None
+        if inputs.prompt_scores is not None:
+            prompt = (inputs.prompt_scores, *self._score_prompt(logits[b:], inputs.prompt_scores))
+        if not b:
+            return InFlight([], np.empty(0, np.int64), None, prompt) if prompt is not None else None
+        sampled = self.sampler.draw(logits[:b], self.batch.sampling_batch(inputs.sample_rows, self.last_draw))
         self.last_draw = sampled.tokens
-        return InFlight(inputs.req_ids, self.batch.mark_sampled(inputs.sample_rows), sampled)
+        return InFlight(inputs.req_ids, self.batch.mark_sampled(inputs.sample_rows), sampled, prompt)
+
+    @staticmethod
+    def _score_prompt(logits: torch.Tensor, scores: PromptScores) -> tuple[torch.Tensor, int]:
+        """Raw log-probabilities (as vLLM's prompt_logprobs: no sampling transform) of each scored
+        prompt token and the k best there, packed for one copy to the host."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        k = max(span[3] for span in scores.spans)
+        parts = [lp.gather(1, scores.targets_dev[:, None]).double()]
+        if k > 0:
+            top_vals, top_ids = lp.topk(k, dim=-1)
+            parts += [top_vals.double(), top_ids.double()]
+        return torch.cat(parts, dim=1), k
 
     def finish(self, step: Optional[InFlight]) -> ModelRunnerOutput:
         """Wait for a launched step's tokens; they land in the batch, and the stop-token and
         length checks run for all of them at once."""
         if step is None:
             return ModelRunnerOutput(sampled_token_ids={})
-        tokens, logprobs = self.sampler.to_host(step.sampled)
-        flags = self.batch.fill_sampled(step.req_ids, step.positions, tokens)
-        ends = np.flatnonzero(flags)
-        result = ModelRunnerOutput(sampled_token_ids=dict(zip(step.req_ids, tokens)),
-                                   finish_flags={step.req_ids[i]: int(flags[i]) for i in ends})
-        for rid, lp in zip(step.req_ids, logprobs):
-            if lp is not None:
-                result.logprobs[rid] = lp
+        result = ModelRunnerOutput(sampled_token_ids={})
+        if step.sampled is not None:
+            tokens, logprobs = self.sampler.to_host(step.sampled)
+            flags = self.batch.fill_sampled(step.req_ids, step.positions, tokens)
+            ends = np.flatnonzero(flags)
+            result.sampled_token_ids = dict(zip(step.req_ids, tokens))
+            result.finish_flags = {step.req_ids[i]: int(flags[i]) for i in ends}
+            for rid, lp in zip(step.req_ids, logprobs):
+                if lp is not None:
+                    result.logprobs[rid] = lp
+        if step.prompt is not None:
+            result.prompt_logprobs = self._prompt_logprobs(*step.prompt)
         return result
+
+    @staticmethod
+    def _prompt_logprobs(scores: PromptScores, packed: torch.Tensor, k: int
+                         ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        rows, targets = packed.cpu().tolist(), scores.targets.tolist()
+        out, at = {}, 0
+        for rid, first, count, want in scores.spans:
+            out[rid] = (first, [TokenLogprobs(Logprob(targets[j], rows[j][0]),
+                                              [Logprob(int(t), v) for v, t in zip(rows[j][1:1 + want],
+                                                                                  rows[j][1 + k:1 + k + want])])
+                                for j in range(at, at + count)])
+            at += count
+        return out

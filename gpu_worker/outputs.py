@@ -24,6 +24,7 @@ class NewRequest:
     block_ids: list[int]          # the whole block table after this step's allocation
     generator: Optional[torch.Generator] = None   # per-request, when a seed is given
     grammar: Any = None           # structured_output.GrammarState, when the output is constrained
+    prompt_logprobs: int = -1     # top-k per prompt token to score; -1: none (already scored, or not asked)
 
 
 @dataclass(slots=True)
@@ -65,6 +66,9 @@ class ModelRunnerOutput:
     # Requests whose token ends them (input_batch.STOP_TOKEN / LENGTH bits); absent: goes on,
     # unless a stop string completes.
     finish_flags: dict[str, int] = field(default_factory=dict)
+    # Requests whose chunk scored prompt tokens: (the chunk's first position p, scores of the
+    # prompt tokens p + 1, p + 2, ...).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,6 +89,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With prompt_logprobs: None for the first prompt token (nothing to score it with), then one
+    # entry per prompt token, as vLLM returns them.
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
 
 
 @dataclass(slots=True)
@@ -101,6 +108,8 @@ class StreamDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    # Scores of prompt tokens 1.. (see Request.prompt_logprobs), on index 0's first delta.
+    prompt_logprobs: Optional[list[TokenLogprobs]] = None
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,10 @@ class Request:
         self.num_cached_tokens = -1             # set when first admitted
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenLogprobs] = []
+        # Scores of prompt tokens 1.. (the first has no context), filled chunk by chunk; only the
+        # first sequence of a request computes them (the others share its prompt).
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.wants_prompt_logprobs = params.prompt_logprobs is not None and index == 0
         self.generator = None
         # Each sequence walks its own copy of the grammar (structured output).
         self.grammar = params.structured_output.new_state() if params.structured_output is not None else None
@@ -89,6 +93,17 @@ class Request:
             # Only the block that just filled up is new; the chain extends from the last hash.
             self.block_hashes = block_hashes(self.all_token_ids, self.block_size,
                                              self.hash_root, self.block_hashes)
+
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt tokens are still to be scored: the prompt must be computed, not read from the cache."""
+        return self.wants_prompt_logprobs and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+
+    def add_prompt_logprobs(self, start: int, lps: list[TokenLogprobs]) -> None:
+        """Scores of prompt tokens start + 1 ..., from one chunk; a chunk computed again (after a
+        preemption) adds only what is new."""
+        have = len(self.prompt_logprobs)
+        if start <= have:
+            self.prompt_logprobs.extend(lps[have - start:])
 
     def uncomputed_prefill_tokens(self) -> int:
         """Known tokens still to be computed, not counting the one pending decode token."""

@@ -27,6 +27,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None       # top-k log-probabilities per generated token
+    # top-k log-probabilities per prompt token (besides the token's own); the request's prompt
+    # is then computed whole: a cached block has no logits to score its tokens with.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # A structured_output.CompiledGrammar (GrammarCompiler.compile); None means free text.
@@ -98,7 +101,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids: token id {t!r} is outside the vocabulary [0, {vocab_size})")
         if self.structured_output is not None and not hasattr(self.structured_output, "new_state"):
             raise ValueError("structured_output: must be a CompiledGrammar (GrammarCompiler.compile)")
-        if self.logprobs is not None:
-            integer("logprobs")
-            if not 0 <= self.logprobs <= 20:
-                bad("logprobs", "must be in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                integer(name)
+                if not 0 <= getattr(self, name) <= 20:
+                    bad(name, "must be in [0, 20]")

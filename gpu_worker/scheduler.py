@@ -189,7 +189,8 @@ class Scheduler:
             sent = blocks_sent.get(req_id)
             if sent is None:
                 new.append(NewRequest(req_id, list(req.all_token_ids), prompt, req.params,
-                                      [b.block_id for b in blocks], req.generator, req.grammar))
+                                      [b.block_id for b in blocks], req.generator, req.grammar,
+                                      (req.params.prompt_logprobs or 0) if req.prompt_logprobs_pending() else -1))
                 sent = len(blocks)
             if len(blocks) > sent:
                 added = [b.block_id for b in blocks[sent:]]
@@ -214,6 +215,10 @@ class Scheduler:
         that ended meanwhile (stop string, abort) drops it."""
         advanced = []
         requests, tokens, logprobs = self.requests, result.sampled_token_ids, result.logprobs
+        for req_id, (start, lps) in result.prompt_logprobs.items():
+            scored = requests.get(req_id)
+            if scored is not None:
+                scored.add_prompt_logprobs(start, lps)
         preempted = RequestStatus.PREEMPTED
         for s in out.scheduled:             # once per request per step: kept lean
             if not s.sample:

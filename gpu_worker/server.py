@@ -35,7 +35,8 @@ log = logging.getLogger("gpu_worker.server")
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 _SCALARS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "skip_special_tokens")
+            "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+            "skip_special_tokens")
 
 
 def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
@@ -168,6 +169,8 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
                                    finished=d.finished, worker_id=self.worker_id)
         for lp in d.logprobs or ():
             resp.logprobs.append(pb.Logprobs(sampled=self._lp(lp.sampled), top=[self._lp(t) for t in lp.top]))
+        for lp in d.prompt_logprobs or ():
+            resp.prompt_logprobs.append(pb.Logprobs(sampled=self._lp(lp.sampled), top=[self._lp(t) for t in lp.top]))
         if d.finished:
             resp.finish_reason = _FINISH.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
             if isinstance(d.stop_reason, str):
