@@ -7,13 +7,21 @@ and upstream gRPC stream as the gRPC front. Worker deltas become an OpenAI respo
 server-sent events. Errors are OpenAI error objects; a gRPC status maps to its HTTP status and
 the `field:` prefix of pagoda's messages names the `param`. A client that goes away cancels the
 handler, which cancels the upstream call, which aborts the request on the worker.
+
+/v1/completions as vLLM serves it: a list of prompts (strings or token-id lists) is that many
+independent requests, routed each on its own, whose choices are numbered prompt by prompt
+(prompt p's sequence j is choice p * n + j); `echo` puts the prompt before the completion, and
+with `logprobs` the prompt's tokens are scored by the engine (SamplingParams.prompt_logprobs),
+the first token's score null, as lm-eval's loglikelihood tasks read them.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -41,8 +49,10 @@ _STRUCTURED = ("response_format", "guided_json", "guided_choice", "guided_regex"
 _COMMON = {"model", "max_tokens", "stop", "logit_bias", "stream", "stream_options", "user", "cache_salt",
            "priority", "stop_token_ids", "logprobs", *_STRUCTURED, *_INT_PARAMS, *_FLOAT_PARAMS, *_BOOL_PARAMS}
 _ALLOWED = {"chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt"},
-            "completion": _COMMON | {"prompt"}}
+            "completion": _COMMON | {"prompt", "echo", "prompt_logprobs"}}
+_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's legacy completions default
+MAX_BATCH_PROMPTS = 1024                # prompts in one /v1/completions request
 
 
 class ApiError(Exception):
@@ -121,6 +131,10 @@ def _logprobs(body: dict, kind: str, sp: pb.SamplingParams) -> None:
     if kind == "completion":
         if body.get("logprobs") is not None:
             sp.logprobs = _number(body, "logprobs", int)
+        if "prompt_logprobs" in body:
+            sp.prompt_logprobs = _number(body, "prompt_logprobs", int)
+        elif sp.HasField("logprobs") and "echo" in body and _number(body, "echo", bool):
+            sp.prompt_logprobs = sp.logprobs      # the echoed prompt's tokens are scored too
         return
     wanted = body.get("logprobs") is not None and _number(body, "logprobs", bool)
     top = body.get("top_logprobs")
@@ -187,8 +201,9 @@ def _messages(body: dict) -> list[pb.ChatMessage]:
     return out
 
 
-def build_request(body: Any, kind: str) -> pb.GenerateRequest:
-    """An OpenAI request body -> GenerateRequest, or ApiError naming the first bad parameter."""
+def build_requests(body: Any, kind: str) -> list[pb.GenerateRequest]:
+    """An OpenAI request body -> one GenerateRequest per prompt, or ApiError naming the first bad
+    parameter."""
     if not isinstance(body, dict):
         raise ApiError(400, "body: must be a JSON object")
     body = {k: v for k, v in body.items() if v is not None}    # null means "not given", as in vLLM
@@ -209,64 +224,139 @@ def build_request(body: Any, kind: str) -> pb.GenerateRequest:
         req.messages.extend(_messages(body))
         if "add_generation_prompt" in body:
             req.add_generation_prompt = _number(body, "add_generation_prompt", bool)
-        return req
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                  # a batch of one
-    if isinstance(prompt, str):
-        req.text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        req.token_ids[:] = prompt
-    else:
-        raise _bad("prompt", "must be a string or a list of token ids (one prompt per request)")
-    return req
+        return [req]
+    if "echo" in body:
+        _number(body, "echo", bool)
+    out = []
+    for prompt in _prompts(body.get("prompt")):
+        one = pb.GenerateRequest()
+        one.CopyFrom(req)
+        if isinstance(prompt, str):
+            one.text = prompt
+        else:
+            one.token_ids[:] = prompt
+        out.append(one)
+    return out
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A completion's prompt: a string, token ids, or a batch (a list of either)."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(_is_ids(p) for p in prompt)):
+        if len(prompt) > MAX_BATCH_PROMPTS:
+            raise _bad("prompt", f"at most {MAX_BATCH_PROMPTS} prompts in one request (got {len(prompt)})")
+        return prompt
+    raise _bad("prompt", "must be a string, a list of token ids, or a non-empty list of strings or of "
+                         "token-id lists (a batch)")
+
+
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(usage in a last chunk, usage on every chunk too): stream_options as vLLM reads them."""
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _bad("stream_options", "must be an object")
+    unknown = sorted(set(options) - set(_STREAM_OPTIONS))
+    if unknown:
+        raise ApiError(400, f"stream_options.{unknown[0]}: unsupported option (supported: "
+                            f"{', '.join(_STREAM_OPTIONS)})", "stream_options")
+    flags = {}
+    for k in _STREAM_OPTIONS:
+        v = options.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise ApiError(400, f"stream_options.{k}: must be a boolean (got {v!r})", "stream_options")
+        flags[k] = v is True
+    usage = stream and flags["include_usage"]
+    return usage, usage and flags["continuous_usage_stats"]
 
 
 # -- worker deltas -> OpenAI responses ----------------------------------------------------------
 
+@dataclass
+class _Prompt:
+    """One prompt of a request, and what echo shows of it."""
+    ids: list[int]
+    echo: str | None = None                   # the text to put before each of its completions
+    first_token: str = ""                     # its first token's text (that token has no score)
+    logprobs: list[pb.Logprobs] | None = None  # scores of its tokens after the first, once they come
+
+
 class _Choices:
-    """What each of the n sequences has produced so far, and the request's usage."""
+    """What each of the prompts' n sequences has produced so far, and the request's usage."""
 
-    def __init__(self, kind: str, n: int):
-        self.kind = kind
-        self.text = [""] * n
-        self.logprobs: list[list] = [[] for _ in range(n)]
-        self.finish: list[str | None] = [None] * n
-        self.stop_reason: list[str | int | None] = [None] * n
-        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
-        self.offsets = [0] * n               # completions' text_offset per sequence
+    def __init__(self, kind: str, n: int, prompts: list[_Prompt], echo_logprobs: bool = False):
+        self.kind, self.n, self.prompts = kind, n, prompts
+        self.echo_logprobs = echo_logprobs   # echo with logprobs: the prompt's tokens lead the logprobs
+        total = n * len(prompts)
+        self.text = [""] * total
+        self.logprobs: list[list] = [[] for _ in range(total)]
+        self.finish: list[str | None] = [None] * total
+        self.stop_reason: list[str | int | None] = [None] * total
+        self.num_tokens = [0] * total        # completion tokens so far, per choice
+        self.started = [False] * total
+        self.prompt_tokens = [len(p.ids) for p in prompts]
+        self.cached_tokens = [0] * len(prompts)
+        self.offsets = [0] * total           # completions' text_offset per sequence
 
-    def add(self, resp: pb.GenerateResponse) -> tuple[str, Any, str | None]:
-        """Record one delta; -> (its text, its logprobs in this endpoint's shape or None, finish)."""
-        i = resp.index
-        self.text[i] += resp.text
-        lps = self._format_logprobs(i, resp) if resp.logprobs else None
+    def add(self, p: int, resp: pb.GenerateResponse) -> tuple[int, str, Any, str | None]:
+        """Record one delta of prompt p's request; -> (its choice index, its text, its logprobs in
+        this endpoint's shape or None, finish)."""
+        i = p * self.n + resp.index
+        prompt = self.prompts[p]
+        if resp.prompt_logprobs:
+            prompt.logprobs = list(resp.prompt_logprobs)
+        text, lead = resp.text, False
+        if not self.started[i]:
+            self.started[i] = True
+            if prompt.echo is not None:
+                text, lead = prompt.echo + text, self.echo_logprobs
+        self.text[i] += text
+        self.num_tokens[i] += len(resp.token_ids)
+        lps = self._format_logprobs(i, resp, prompt if lead else None) if resp.logprobs or lead else None
         finish = None
         if resp.finished:
             finish = self.finish[i] = _FINISH.get(resp.finish_reason)
             kind = resp.WhichOneof("stop_reason")
             self.stop_reason[i] = getattr(resp, kind) if kind else None
-            self.completion_tokens += resp.usage.completion_tokens
-            if i == 0:                       # every sequence shares the one prompt
-                self.prompt_tokens = resp.usage.prompt_tokens
-                self.cached_tokens = resp.usage.cached_prompt_tokens
-        return resp.text, lps, finish
+            self.num_tokens[i] = resp.usage.completion_tokens
+            self.prompt_tokens[p] = resp.usage.prompt_tokens
+            if resp.index == 0:              # every sequence of a prompt shares its blocks
+                self.cached_tokens[p] = resp.usage.cached_prompt_tokens
+        return i, text, lps, finish
 
-    def _format_logprobs(self, i: int, resp: pb.GenerateResponse):
+    def _format_logprobs(self, i: int, resp: pb.GenerateResponse, prompt: _Prompt | None):
         if self.kind == "chat":
             entries = [dict(_chat_lp(lp.sampled), top_logprobs=[_chat_lp(t) for t in lp.top])
                        for lp in resp.logprobs]
             self.logprobs[i].extend(entries)
             return {"content": entries}
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for lp in resp.logprobs:
-            out["tokens"].append(lp.sampled.token)
-            out["token_logprobs"].append(lp.sampled.logprob)
-            out["top_logprobs"].append({t.token: t.logprob for t in lp.top})
+        if prompt is not None:               # echo: the prompt's tokens first, the first one unscored
+            out["tokens"].append(prompt.first_token)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
             out["text_offset"].append(self.offsets[i])
-            self.offsets[i] += len(lp.sampled.token)
+            self.offsets[i] += len(prompt.first_token)
+            for lp in prompt.logprobs or ():
+                top = {t.token: t.logprob for t in lp.top}
+                top.setdefault(lp.sampled.token, lp.sampled.logprob)   # the prompt's own token, as vLLM
+                self._completion_lp(out, i, lp.sampled, top)
+        for lp in resp.logprobs:
+            self._completion_lp(out, i, lp.sampled, {t.token: t.logprob for t in lp.top})
         self.logprobs[i].append(out)
         return out
+
+    def _completion_lp(self, out: dict[str, list], i: int, token: pb.TokenLogprob, top: dict) -> None:
+        out["tokens"].append(token.token)
+        out["token_logprobs"].append(token.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(self.offsets[i])
+        self.offsets[i] += len(token.token)
 
     def final_logprobs(self, i: int):
         if not self.logprobs[i]:
@@ -275,10 +365,29 @@ class _Choices:
             return {"content": self.logprobs[i]}
         return {k: [x for part in self.logprobs[i] for x in part[k]] for k in self.logprobs[i][0]}
 
+    def prompt_logprobs(self, i: int) -> list | None:
+        """vLLM's prompt_logprobs of choice i's prompt: null, then {token id: its score} per token."""
+        prompt = self.prompts[i // self.n]
+        if prompt.logprobs is None:
+            return None
+        out: list[dict | None] = [None]
+        for lp in prompt.logprobs:
+            entry = {str(t.token_id): {"logprob": t.logprob, "rank": r, "decoded_token": t.token}
+                     for r, t in enumerate(lp.top, 1)}
+            entry.setdefault(str(lp.sampled.token_id), {"logprob": lp.sampled.logprob, "rank": None,
+                                                        "decoded_token": lp.sampled.token})
+            out.append(entry)
+        return out
+
+    def choice_usage(self, i: int) -> dict:
+        """Choice i's own figures so far (continuous_usage_stats, as vLLM counts them)."""
+        prompt, done = self.prompt_tokens[i // self.n], self.num_tokens[i]
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        prompt, done = sum(self.prompt_tokens), sum(self.num_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
 
 
 def _chat_lp(t: pb.TokenLogprob) -> dict:
@@ -345,42 +454,62 @@ class OpenAIFront:
                 body = await request.json()
             except ValueError as e:
                 raise ApiError(400, f"body: not valid JSON ({e})") from None
-            req = build_request(body, kind)
+            reqs = build_requests(body, kind)
             stream = "stream" in body and _number(body, "stream", bool)
-            options = body.get("stream_options") or {}
-            if not isinstance(options, dict):
-                raise _bad("stream_options", "must be an object")
-            usage_in_stream = stream and options.get("include_usage") is True
-            await self._prepare(req, kind, "max_completion_tokens" if "max_completion_tokens" in body
-                                else "max_tokens")
+            usage_in_stream, continuous = _stream_options(body, stream)
+            echo = kind == "completion" and body.get("echo") is True
+            texts = [r.text if r.HasField("text") else None for r in reqs]
+            max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+            prompts = [_Prompt(ids) for ids in await asyncio.gather(*(self._prepare(r, kind, max_name) for r in reqs))]
+            if echo:
+                await self._echoes(reqs[0].model, prompts, texts)
         except ApiError as e:
             return e.response()
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        req.request_id = rid
+        for p, req in enumerate(reqs):       # each prompt is a request of its own, routed on its own
+            req.request_id = rid if len(reqs) == 1 else f"{rid}-{p}"
         head = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": req.model}
-        choices = _Choices(kind, req.sampling.n if req.sampling.HasField("n") else 1)
-        async with contextlib.aclosing(self.service.generate(req, None, ident)) as upstream:
+                "created": int(time.time()), "model": reqs[0].model}
+        sp = reqs[0].sampling
+        choices = _Choices(kind, sp.n if sp.HasField("n") else 1, prompts, echo and sp.HasField("logprobs"))
+        async with contextlib.AsyncExitStack() as stack:
+            upstreams = [await stack.enter_async_context(contextlib.aclosing(self.service.generate(r, None, ident)))
+                         for r in reqs]
             try:
-                first = await anext(upstream)    # errors before the first token get their HTTP status
+                firsts = await _first_of_each(upstreams)    # errors before the first token get their HTTP status
             except RouterError as r:
                 return ApiError.from_reject(r).response()
             except StopAsyncIteration:
                 return ApiError(503, "no worker answered").response()
+            merged = await stack.enter_async_context(contextlib.aclosing(_merge(upstreams, firsts)))
             if stream:
-                return await self._stream(request, head, choices, first, upstream, usage_in_stream)
+                return await self._stream(request, head, choices, merged, usage_in_stream, continuous)
             try:
-                choices.add(first)
-                async for resp in upstream:
-                    choices.add(resp)
+                async for p, resp in merged:
+                    choices.add(p, resp)
             except RouterError as r:
                 return ApiError.from_reject(r).response()
-        return web.json_response({**head, "choices": [self._choice(kind, choices, i)
+        scored = kind == "completion" and "prompt_logprobs" in body
+        return web.json_response({**head, "choices": [self._choice(kind, choices, i, scored)
                                                        for i in range(len(choices.text))],
                                   "usage": choices.usage()})
 
-    async def _prepare(self, req: pb.GenerateRequest, kind: str, max_name: str) -> None:
-        """Resolve the model, tokenize, check the length, and fill defaults, in place."""
+    async def _echoes(self, model: str, prompts: list[_Prompt], texts: list[str | None]) -> None:
+        """What echo puts before each prompt's completions: the prompt as sent, or token ids decoded."""
+        try:
+            _, pin = await self.service.pin(model)
+        except RouterError as r:
+            raise ApiError.from_reject(r) from None
+        tok = pin.tokenizer
+        if tok is None:
+            raise _bad("echo", f"model {model!r} has no tokenizer to show the prompt with")
+        for prompt, text in zip(prompts, texts):
+            prompt.echo = text if text is not None else tok.decode(prompt.ids)
+            prompt.first_token = tok.decode(prompt.ids[:1])
+
+    async def _prepare(self, req: pb.GenerateRequest, kind: str, max_name: str) -> list[int]:
+        """Resolve the model, tokenize, check the length, and fill defaults, in place; -> the
+        prompt's token ids."""
         models = self.service.cluster.models()
         if req.model and req.model not in models:
             if not models:
@@ -406,18 +535,21 @@ class OpenAIFront:
         req.ClearField("text")
         req.ClearField("messages")
         req.token_ids[:] = ids               # tokenized once: the router path skips it
+        return list(ids)
 
     @staticmethod
-    def _choice(kind: str, choices: _Choices, i: int) -> dict:
+    def _choice(kind: str, choices: _Choices, i: int, scored: bool = False) -> dict:
         out: dict[str, Any] = {"index": i, "logprobs": choices.final_logprobs(i),
                                "finish_reason": choices.finish[i], "stop_reason": choices.stop_reason[i]}
         if kind == "chat":
             out["message"] = {"role": "assistant", "content": choices.text[i]}
         else:
             out["text"] = choices.text[i]
+        if scored:
+            out["prompt_logprobs"] = choices.prompt_logprobs(i)
         return out
 
-    async def _stream(self, request, head, choices, first, upstream, usage_in_stream) -> web.StreamResponse:
+    async def _stream(self, request, head, choices, merged, usage_in_stream, continuous) -> web.StreamResponse:
         kind = choices.kind
         head = {**head, "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -428,14 +560,16 @@ class OpenAIFront:
 
         started: set[int] = set()
         try:
-            delta = first
-            while True:
-                text, lps, finish = choices.add(delta)
-                i = delta.index
+            async for p, delta in merged:
+                i, text, lps, finish = choices.add(p, delta)
                 if kind == "chat" and i not in started:
                     started.add(i)
-                    await send({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]})
+                    chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]}
+                    if continuous:
+                        chunk["usage"] = {"prompt_tokens": choices.prompt_tokens[p], "completion_tokens": 0,
+                                          "total_tokens": choices.prompt_tokens[p]}
+                    await send(chunk)
                 if text or lps or finish:
                     choice: dict[str, Any] = {"index": i, "logprobs": lps, "finish_reason": finish}
                     if finish:
@@ -444,11 +578,10 @@ class OpenAIFront:
                         choice["delta"] = {"content": text} if text else {}
                     else:
                         choice["text"] = text
-                    await send({**head, "choices": [choice]})
-                try:
-                    delta = await anext(upstream)
-                except StopAsyncIteration:
-                    break
+                    chunk = {**head, "choices": [choice]}
+                    if continuous:
+                        chunk["usage"] = choices.choice_usage(i)
+                    await send(chunk)
             if usage_in_stream:
                 await send({**head, "choices": [], "usage": choices.usage()})
         except RouterError as r:
@@ -456,3 +589,52 @@ class OpenAIFront:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+async def _first_of_each(upstreams: list) -> list[pb.GenerateResponse]:
+    """Every upstream's first response, awaited together (each prompt's request starts now)."""
+    if len(upstreams) == 1:
+        return [await anext(upstreams[0])]
+    tasks = [asyncio.ensure_future(anext(u)) for u in upstreams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:          # one failed: the others stop before their streams are closed
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merge(upstreams: list, firsts: list[pb.GenerateResponse]):
+    """(prompt number, response) from every upstream as each comes; a RouterError of any ends it."""
+    if len(upstreams) == 1:
+        yield 0, firsts[0]
+        async for resp in upstreams[0]:
+            yield 0, resp
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int, upstream) -> None:
+        try:
+            async for resp in upstream:
+                queue.put_nowait((p, resp))
+        except RouterError as e:
+            queue.put_nowait((p, e))
+        queue.put_nowait((p, None))
+
+    for p, first in enumerate(firsts):
+        queue.put_nowait((p, first))
+    tasks = [asyncio.ensure_future(pump(p, u)) for p, u in enumerate(upstreams)]
+    try:
+        left = len(tasks)
+        while left:
+            p, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, RouterError):
+                raise item
+            else:
+                yield p, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

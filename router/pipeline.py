@@ -15,7 +15,7 @@ from router.channels import WorkerChannels
 from router.cluster import Cluster
 from router.errors import RouterError
 from router.metrics import RouterMetrics
-from router.prepare import Preparer
+from router.prepare import Pin, Preparer
 from router.proxy import Proxy
 from router.scoring import Scorer
 from router.selection import Selector
@@ -63,6 +63,10 @@ class Pipeline:
 
     async def model_info(self, model: str) -> pb.ModelInfoResponse:
         return await self.prepare.model_info(model)
+
+    async def pin(self, model: str) -> tuple[str, Pin]:
+        """(the model a request names, or the only one served; its pinned tokenizer and info)."""
+        return await self.prepare.pin(model)
 
     def forget_worker(self, worker_id: str) -> None:
         self.breaker.forget(worker_id)

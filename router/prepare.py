@@ -125,8 +125,11 @@ class Preparer:
             raise RouterError.invalid(e) from None
 
     async def model_info(self, model: str) -> pb.ModelInfoResponse:
+        return (await self.pin(model))[1].info
+
+    async def pin(self, model: str) -> tuple[str, Pin]:
         model, workers = self.candidates(model)
-        return (await self.pinned(model, workers)).info
+        return model, await self.pinned(model, workers)
 
     def hashes(self, model: str, adapter: str, cache_salt: str, token_ids: list[int],
                block_size: int) -> tuple[bytes, ...]:
