@@ -12,6 +12,7 @@ import secrets
 import socket
 
 from gpu_worker.config import EngineConfig
+from gpu_worker.spec_config import parse_speculative_config
 from protos import limits, security
 
 # The engine's defaults live in EngineConfig alone; the flags read them from there.
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default=_D["async_scheduling"],
                    help="schedule and launch the next step before this one's tokens are back, and work "
                         "out its text while the next runs (auto: on with CUDA)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON", type=_speculative_config,
+                   help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT_DIR, '
+                        '"num_speculative_tokens": 4} (a draft of the same tokenizer)')
     p.add_argument("--max-waiting", type=int, default=_D["max_waiting"],
                    help="requests queued beyond this are refused with RESOURCE_EXHAUSTED")
     p.add_argument("--redis-url", default=None, help="publish load and cached blocks here (password: REDIS_PASSWORD)")
@@ -71,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_flags(p)
     security.add_flags(p, worker_side=True)
     return p
+
+
+def _speculative_config(text: str):
+    # Checked while parsing, so a bad key is named before the model loads.
+    try:
+        return parse_speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def default_worker_id(port: int) -> str:
@@ -99,4 +112,5 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
                 max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
                 tensor_parallel_size=args.tensor_parallel_size, model_impl=args.model_impl,
-                kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling)
+                kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
+                speculative_config=args.speculative_config)

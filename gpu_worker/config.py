@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+from gpu_worker.spec_config import SpeculativeConfig, parse_speculative_config
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
@@ -50,6 +52,9 @@ class EngineConfig:
     # runs on its own; off on a CPU, where the forward runs in the engine's thread and there is
     # nothing to overlap with.
     async_scheduling: str = "auto"              # auto | on | off
+    # vLLM's --speculative-config JSON (text or dict): n-gram lookup or a draft model
+    # (gpu_worker/spec_config.py); parsed into a SpeculativeConfig here.
+    speculative_config: Any = None
 
     def __post_init__(self):
         if self.served_model_name is None:
@@ -76,9 +81,20 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size: must be a positive integer (got {self.tensor_parallel_size!r})")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None:
+            # Drafts are proposed from the tokens the last step returned: nothing to overlap.
+            if self.async_scheduling == "on":
+                raise ValueError("async_scheduling: speculative_config needs it off or auto")
+            if self.tensor_parallel_size != 1:
+                raise ValueError("speculative_config: not with tensor_parallel_size > 1 (yet)")
         env = os.environ.get("PAGODA_ATTENTION")
         if env:
             self.attention_backend = env
+
+    @property
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        return self.speculative_config
 
     def token_budget(self, max_model_len: int) -> int:
         """Tokens per step: the flag, else max(2048, max_model_len) capped to 8192."""

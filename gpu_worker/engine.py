@@ -19,6 +19,7 @@ from gpu_worker.outputs import EngineStats, ModelRunnerOutput, SchedulerOutput, 
 from gpu_worker.request import Request, RequestStatus
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.scheduler import Scheduler
+from gpu_worker.spec_decode import Drafter
 from protos.block_hash import namespace_root
 from protos.heap import freeze_heap
 
@@ -47,8 +48,10 @@ class LLMEngine:
         self.runner.warm_up()  # kernels compile now, not on the first requests
         self.max_num_batched_tokens = config.token_budget(self.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        spec = config.speculative_config
+        drafter = Drafter(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.scheduling_policy, self.max_model_len)
+                                   config.scheduling_policy, self.max_model_len, drafter)
         self.detokenizers: dict[str, Detokenizer] = {}
         self.children: dict[str, list[Request]] = {}    # caller id -> its live sequences
         self.pending: list[StreamDelta] = []            # abort notices for the next step
@@ -158,7 +161,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         deltas, self.pending = self.pending, []
         prev, self.in_flight = self.in_flight, None
-        collected: list[tuple[Request, int]] = []
+        collected: list[tuple[Request, int, int]] = []
         if prev is not None and self.runner.tp is not None:
             collected, prev = self._collect(prev), None
         if self.scheduler.has_unfinished():
@@ -173,7 +176,8 @@ class LLMEngine:
         if not self.async_scheduling and self.in_flight is not None:
             collected += self._collect(self.in_flight)
             self.in_flight = None
-        deltas.extend([self._on_token(req, flags) for req, flags in collected])
+        deltas.extend([self._on_token(req, flags) if n == 1 else self._on_tokens(req, flags, n)
+                       for req, flags, n in collected])
         if self.in_flight is not None and not any(s.req_id in self.scheduler.requests
                                                   for s in self.in_flight[0].scheduled):
             self._collect(self.in_flight)   # every request in it has ended: nothing to wait for
@@ -182,16 +186,18 @@ class LLMEngine:
             self.step_seconds += time.perf_counter() - t0
         return deltas
 
-    def _collect(self, step: tuple[SchedulerOutput, Optional[InFlight]]) -> list[tuple[Request, int]]:
-        """A launched step's tokens, with their finish flags (input_batch.STOP_TOKEN / LENGTH)."""
+    def _collect(self, step: tuple[SchedulerOutput, Optional[InFlight]]) -> list[tuple[Request, int, int]]:
+        """A launched step's requests that got tokens, with their finish flags
+        (input_batch.STOP_TOKEN / LENGTH) and how many tokens (more than one: speculation)."""
         out, launched = step
         result: ModelRunnerOutput = self._guarded(self.runner.finish, launched)
         self.num_steps += 1
         advanced = self.scheduler.update_from_output(out, result)
-        self.generation_tokens += len(advanced)
-        flags = result.finish_flags
-        collected = [(req, flags.get(req.req_id, 0)) for req in advanced]
-        ended = [req.req_id for req, f in collected if f]
+        flags, spec = result.finish_flags, result.spec_token_ids
+        collected = [(req, flags.get(req.req_id, 0), len(spec[req.req_id]) if req.req_id in spec else 1)
+                     for req in advanced]
+        self.generation_tokens += sum(n for _, _, n in collected) if spec else len(advanced)
+        ended = [req.req_id for req, f, _ in collected if f]
         if ended:   # out of the scheduler before the next step is scheduled; text comes later
             self.scheduler.finish_requests(ended, RequestStatus.FINISHED_LENGTH)
         return collected
@@ -235,6 +241,37 @@ class LLMEngine:
         self._finish(req, status)
         return self._delta(req, [token], detok.take_delta(True), logprobs, prompt_lps)
 
+    def _on_tokens(self, req: Request, flags: int, n: int) -> StreamDelta:
+        """n new tokens of a speculating request, in one delta: as _on_token for each, up to the
+        first that ends it (the runner cut the tokens after a stop token or the length limit; a
+        stop string may end it earlier, and the tokens after that one are dropped)."""
+        p = req.params
+        detok = self.detokenizers[req.req_id]
+        new = req.output_token_ids[-n:]
+        status = None
+        for j, token in enumerate(new):
+            last = j == n - 1
+            if last and flags & STOP_TOKEN:
+                status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token if token in p.stop_token_ids else None
+            elif detok.add_token(token, check_stop=len(req.output_token_ids) - n + j + 1 >= p.min_tokens) is not None:
+                status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = detok.stop_reason
+            elif last and flags & LENGTH:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                if not last:
+                    del req.output_token_ids[j + 1 - n:], req.all_token_ids[j + 1 - n:]
+                new = new[:j + 1]
+                break
+        if status is None:
+            return StreamDelta(req.parent_id, req.index, new, detok.take_delta(False), None, False,
+                               None, None, len(req.prompt_token_ids), max(0, req.num_cached_tokens),
+                               len(req.output_token_ids))
+        detok.flush()
+        self._finish(req, status)
+        return self._delta(req, new, detok.take_delta(True))
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.req_id in self.scheduler.requests:   # running, or preempted since its step
             self.scheduler.finish_requests([req.req_id], status)
@@ -270,7 +307,16 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             tokens_stored=sum(r.num_computed_tokens for r in s.running),
             blocks_held=self.num_blocks - free, block_size=self.block_size, num_steps=self.num_steps,
-            step_seconds=self.step_seconds, max_num_batched_tokens=self.max_num_batched_tokens)
+            step_seconds=self.step_seconds, max_num_batched_tokens=self.max_num_batched_tokens,
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        st = self.scheduler.spec_stats
+        if st is None:
+            return {}
+        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                    spec_num_accepted_tokens=st.num_accepted_tokens,
+                    spec_accepted_per_pos=tuple(st.accepted_per_pos or ()))
 
     def take_kv_events(self) -> list[tuple[str, bytes]]:
         return self.kv.pool.take_events()

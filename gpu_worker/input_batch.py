@@ -49,6 +49,9 @@ class StepInputs:
     # flight; None when every input token is known on the host.
     in_flight: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     prompt_scores: Optional[PromptScores] = None
+    # [B]: drafts each sampling request verifies (speculative decoding; its logits rows are
+    # 1 + that many, in order); None when no request has any.
+    num_drafts: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -63,7 +66,7 @@ class PromptScores:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_num_tokens: int, block_size: int,
-                 vocab_size: int, eos_token_ids: list[int], device: torch.device):
+                 vocab_size: int, eos_token_ids: list[int], device: torch.device, max_drafts: int = 0):
         self.max_rows, self.max_len, self.block_size = max_num_seqs, max_model_len, block_size
         self.vocab_size, self.device = vocab_size, device
         self.eos = list(eos_token_ids)
@@ -92,9 +95,9 @@ class InputBatch:
         self.generators: dict[int, torch.Generator] = {}
         self.grammars: dict[int, Any] = {}              # row -> structured_output.GrammarState
         self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}
-        self._alloc_buffers(max_num_tokens)
+        self._alloc_buffers(max_num_tokens, max_drafts)
 
-    def _alloc_buffers(self, max_tokens: int) -> None:
+    def _alloc_buffers(self, max_tokens: int, max_drafts: int = 0) -> None:
         pin = self.device.type == "cuda"
         r, mb = self.max_rows, self.max_blocks
 
@@ -104,7 +107,9 @@ class InputBatch:
         # One int64 staging area: ids | positions | slots | logits indices | in-flight
         # positions | their draw indices; one int32 area: query_start_loc | seq_lens | block
         # table. Two copies per step.
-        self._i64_sizes = (max_tokens, max_tokens, max_tokens, r, r, r)
+        # Logits rows: one per sampling request, 1 + its drafts when speculating.
+        logit_rows = max(r, min(max_tokens, r * (1 + max_drafts)))
+        self._i64_sizes = (max_tokens, max_tokens, max_tokens, logit_rows, r, r)
         self._i32_sizes = (r + 1, r, r * mb)
         # On CUDA two host sets in turn: a step's pinned inputs must not change before its copy
         # has run, and the next step is built while it may still be queued. On a CPU the
@@ -144,6 +149,11 @@ class InputBatch:
                 n = int(self.num_blocks[row])
                 self.block_table[row, n:n + len(s.new_block_ids)] = s.new_block_ids
                 self.num_blocks[row] = n + len(s.new_block_ids)
+            if s.spec_token_ids:
+                # Drafts sit after the known tokens, uncounted, until verification lands.
+                row = self.row_of[s.req_id]
+                n = int(self.num_tokens[row])
+                self.token_ids[row, n:n + len(s.spec_token_ids)] = s.spec_token_ids
 
     def _add(self, new: NewRequest) -> None:
         if new.req_id in self.row_of:
@@ -221,6 +231,9 @@ class InputBatch:
         start = np.fromiter((x.start_pos for x in scheduled), np.int64, s)
         self.num_computed[rows] = start
         seq_lens = start + n
+        drafts = None
+        if any(x.spec_token_ids for x in scheduled):
+            drafts = np.fromiter((len(x.spec_token_ids) for x in scheduled), np.int64, s)
         bs = self.block_size
         short = seq_lens > self.num_blocks[rows] * bs
         if short.any():
@@ -232,9 +245,17 @@ class InputBatch:
         seq_of = np.repeat(np.arange(s), n)
         pos = start[seq_of] + np.arange(t) - (cu - n)[seq_of]
         row_of_tok = rows[seq_of]
-        sample = seq_lens == self.num_tokens[rows]
+        sample = (seq_lens if drafts is None else seq_lens - drafts) == self.num_tokens[rows]
         sample_seq = np.flatnonzero(sample)
         b = len(sample_seq)
+        if drafts is not None:
+            k = drafts[sample_seq]
+            logit_ends = np.repeat(cu[sample_seq], k + 1)
+            within = np.arange(int(k.sum()) + b) - np.repeat(np.cumsum(k + 1) - (k + 1), k + 1)
+            logit_idx = logit_ends - np.repeat(k + 1, k + 1) + within
+        else:
+            logit_idx = cu[sample_seq] - 1
+        nl = len(logit_idx)
         mb = int(-(-seq_lens.max() // bs))
 
         # A row with a token in flight computes just that token (it sampled last step).
@@ -248,7 +269,7 @@ class InputBatch:
         i64[o_ids:o_ids + t] = self.token_ids[row_of_tok, pos]
         i64[o_pos:o_pos + t] = pos
         i64[o_slot:o_slot + t] = self.block_table[row_of_tok, pos // bs].astype(np.int64) * bs + pos % bs
-        i64[o_lg:o_lg + b] = cu[sample_seq] - 1
+        i64[o_lg:o_lg + nl] = logit_idx
         i64[o_fd:o_fd + f] = cu[waiting_for] - 1
         i64[o_fs:o_fs + f] = src[waiting_for]
         i32, (o_qsl, o_len, o_bt) = self.np_i32, np.cumsum((0,) + self._i32_sizes[:-1])
@@ -266,9 +287,10 @@ class InputBatch:
                                  block_tables=d32[o_bt:o_bt + s * mb].view(s, mb),
                                  seq_lens=d32[o_len:o_len + s], query_start_loc=d32[o_qsl:o_qsl + s + 1],
                                  max_seq_len=int(seq_lens.max()))
-        return StepInputs(d64[o_ids:o_ids + t], d64[o_pos:o_pos + t], meta, d64[o_lg:o_lg + b],
+        return StepInputs(d64[o_ids:o_ids + t], d64[o_pos:o_pos + t], meta, d64[o_lg:o_lg + nl],
                           rows[sample_seq], [scheduled[i].req_id for i in sample_seq],
-                          (d64[o_fd:o_fd + f], d64[o_fs:o_fs + f]) if f else None, scores)
+                          (d64[o_fd:o_fd + f], d64[o_fs:o_fs + f]) if f else None, scores,
+                          drafts[sample_seq] if drafts is not None else None)
 
     def _prompt_scores(self, scheduled: list[ScheduledRequest], rows: np.ndarray, start: np.ndarray,
                        n: np.ndarray, cu: np.ndarray) -> Optional[PromptScores]:
@@ -330,16 +352,47 @@ class InputBatch:
         flags[live] = hit * STOP_TOKEN | long * LENGTH
         return flags
 
+    def fill_speculated(self, req_ids: list[str], emitted: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """A verified step's tokens (accepted drafts, then the one drawn) land after each row's
+        known tokens. Each is checked as fill_sampled checks one, and the list is cut after the
+        first that ends the request. The row's KV is valid up to the token before the last
+        (num_computed), and its block table keeps only the blocks that KV needs: the
+        scheduler frees the rest (KVCacheManager.truncate). Returns (tokens, finish flags)."""
+        out, flags = [], []
+        bs = self.block_size
+        for rid, toks in zip(req_ids, emitted):
+            row = self.row_of[rid]
+            first = int(self.num_tokens[row])
+            t = np.asarray(toks, np.int64)
+            num_tokens = first + 1 + np.arange(len(t))
+            out_len = num_tokens - self.num_prompt[row]
+            hit = (self.stop_ids[row][None, :] == t[:, None]).any(axis=1) & (out_len >= self.min_tokens[row])
+            long = (out_len >= self.max_tokens[row]) | (num_tokens >= self.max_len)
+            f = hit * STOP_TOKEN | long * LENGTH
+            ends = np.flatnonzero(f)
+            m = int(ends[0]) + 1 if len(ends) else len(t)
+            self.token_ids[row, first:first + m] = t[:m]
+            self.num_tokens[row] = first + m
+            self.num_computed[row] = first + m - 1
+            self.num_blocks[row] = min(int(self.num_blocks[row]), -(-(first + m - 1) // bs))
+            out.append(toks[:m])
+            flags.append(int(f[m - 1]))
+        return out, flags
+
     # ---- sampling inputs ---------------------------------------------------------------------
 
-    def sampling_batch(self, rows: np.ndarray, last_draw: Optional[torch.Tensor] = None) -> SamplingBatch:
+    def sampling_batch(self, rows: np.ndarray, last_draw: Optional[torch.Tensor] = None,
+                       staged: bool = True) -> SamplingBatch:
         """The sampler's view of the sampling rows: parameters in one device copy, and the
         sparse extras (seeds, logit_bias, min_tokens, penalties) only for rows that use them.
         last_draw: the previous step's tokens on the device, for rows whose token is in flight."""
         b = len(rows)
         p = self.params[rows]
-        self.np_params[:b * NUM_PARAMS] = p.reshape(-1)
-        dev = self._to_device(self.dev_params, self.host_params, b * NUM_PARAMS)[:b * NUM_PARAMS].view(b, NUM_PARAMS)
+        if staged:
+            self.np_params[:b * NUM_PARAMS] = p.reshape(-1)
+            dev = self._to_device(self.dev_params, self.host_params, b * NUM_PARAMS)[:b * NUM_PARAMS].view(b, NUM_PARAMS)
+        else:   # a second batch in one step (speculative decoding): its own copy, not the staging area
+            dev = torch.from_numpy(np.ascontiguousarray(p)).to(self.device)
         greedy = p[:, TEMPERATURE] == 0.0
         batch = SamplingBatch(
             temperature=dev[:, TEMPERATURE], top_p=dev[:, TOP_P], top_k=dev[:, TOP_K], min_p=dev[:, MIN_P],

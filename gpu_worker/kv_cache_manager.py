@@ -78,6 +78,20 @@ class KVCacheManager:
             self.pool.cache_full_blocks(blocks, request.block_hashes, start, end)
             self.num_cached_blocks[request.req_id] = end
 
+    def truncate(self, request: Request, num_tokens: int) -> int:
+        """Keep only the blocks that hold the first num_tokens tokens' KV, freeing the rest tail
+        first (speculative decoding: slots of rejected drafts). Returns the blocks kept. The
+        freed blocks were never named: a block is named only when all its tokens are known."""
+        blocks = self.req_to_blocks.get(request.req_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return len(blocks or ())
+        tail = blocks[keep:]
+        del blocks[keep:]
+        assert all(b.block_hash is None for b in tail), tail
+        self.pool.free_blocks(reversed(tail))
+        return keep
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so the LRU evicts a chain's tail first."""
         blocks = self.req_to_blocks.pop(request.req_id, [])

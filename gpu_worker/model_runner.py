@@ -29,6 +29,7 @@ from gpu_worker.models.llama import use_triton_ops
 from gpu_worker.models.parallel import Shard, check_tensor_parallel
 from gpu_worker.outputs import Logprob, ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from gpu_worker.sampler import Sampled, Sampler
+from gpu_worker.spec_decode import DraftModel, Verified, rejection_sample, uniforms_for
 from gpu_worker.warmup import WarmupStep, warmup_plan
 from kernels.fp8 import kv_cache_dtype
 from kernels.reference import new_kv_cache
@@ -47,6 +48,10 @@ class InFlight:
     # Prompt tokens scored (prompt_logprobs): what they are, and their scores on the device,
     # float64 [P, 1 + 2k] (the token's own log-probability, k top values, k top ids).
     prompt: Optional[tuple[PromptScores, torch.Tensor, int]] = None
+    # Speculating requests of the step (speculative decoding), already verified: their emitted
+    # tokens and accepted drafts.
+    spec_req_ids: Optional[list[str]] = None
+    spec: Optional[Verified] = None
 
 
 def load_tokenizer(model_path: str) -> PromptTokenizer:
@@ -102,9 +107,16 @@ class ModelRunner:
         self.sampler = Sampler()
         self.last_draw: torch.Tensor | None = None     # token ids of the last launched step, on the device
         self.graphs: DecodeGraphs | None = None  # captured by warm_up on CUDA
+        spec = config.speculative_config
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len,
                                 config.token_budget(self.max_model_len), self.block_size,
-                                self.vocab_size, self.eos_token_ids, self.device)
+                                self.vocab_size, self.eos_token_ids, self.device,
+                                spec.num_speculative_tokens if spec is not None else 0)
+        # Speculative decoding with a draft model: its KV pool shares the target's block ids.
+        self.draft: DraftModel | None = None
+        if spec is not None and spec.method == "draft_model":
+            self.draft = DraftModel(spec.model, self.vocab_size, self.device, self.dtype, self.block_size,
+                                    self.write_fn, self.attend_fn, config.model_impl)
         # Test hook: every step also sleeps this long (the GIL is released, as in a real
         # forward), so tests can show that the event loop never waits on a step.
         self.step_delay_s = float(os.environ.get("PAGODA_TEST_STEP_DELAY_S", "0") or 0)
@@ -129,7 +141,9 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         elem = torch.empty(0, dtype=self.kv_dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        draft_model = getattr(self, "draft", None)
+        draft = draft_model.bytes_per_block(self.kv_dtype) if draft_model is not None else 0
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem + draft
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do without them)."""
@@ -261,6 +275,8 @@ class ModelRunner:
         self._bind_kv_cache(num_blocks)
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
+        if self.draft is not None:
+            self.draft.bind(num_blocks, self.kv_dtype)
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = []
         for layer in self.model.attention_layers():
@@ -326,15 +342,28 @@ class ModelRunner:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.batch.update(out)
+        if self.draft is not None:
+            self.draft.forget(out.finished_req_ids)
         if not out.scheduled:
             return None
+        spec_index = [i for i, x in enumerate(out.scheduled) if x.spec_token_ids]
+        proposed = None
+        if spec_index and self.draft is not None:
+            rows = np.array([self.batch.row_of[out.scheduled[i].req_id] for i in spec_index], np.int64)
+            proposed = self.draft.propose(self.batch, out.scheduled, spec_index,
+                                          self.batch.sampling_batch(rows, staged=False), self._draft_probs)
+        elif self.draft is not None:
+            self.draft.propose(self.batch, out.scheduled, [], None, self._draft_probs)  # keeps its KV up
         logits, inputs = self._run_model(out.scheduled)
         b = len(inputs.req_ids)
+        nl = int(inputs.logits_indices.shape[0])    # sampling rows' logits (more with drafts)
         prompt = None
         if inputs.prompt_scores is not None:
-            prompt = (inputs.prompt_scores, *self._score_prompt(logits[b:], inputs.prompt_scores))
+            prompt = (inputs.prompt_scores, *self._score_prompt(logits[nl:], inputs.prompt_scores))
         if not b:
             return InFlight([], np.empty(0, np.int64), None, prompt) if prompt is not None else None
+        if inputs.num_drafts is not None:
+            return self._verify(logits[:nl], inputs, out.scheduled, spec_index, proposed, prompt)
         sampled = self.sampler.draw(logits[:b], self.batch.sampling_batch(inputs.sample_rows, self.last_draw))
         self.last_draw = sampled.tokens
         return InFlight(inputs.req_ids, self.batch.mark_sampled(inputs.sample_rows), sampled, prompt)
@@ -350,6 +379,43 @@ class ModelRunner:
             top_vals, top_ids = lp.topk(k, dim=-1)
             parts += [top_vals.double(), top_ids.double()]
         return torch.cat(parts, dim=1), k
+
+    @staticmethod
+    def _draft_probs(logits: torch.Tensor, batch) -> torch.Tensor:
+        return Sampler.probs(Sampler.process(logits, batch), batch)
+
+    def _verify(self, logits: torch.Tensor, inputs, scheduled: list[ScheduledRequest], spec_index: list[int],
+                proposed: Optional[tuple[torch.Tensor, torch.Tensor]], prompt=None) -> InFlight:
+        """A step with drafts: plain rows sample as usual; speculating rows (1 + k logits rows
+        each) go through the rejection sampler against the drafts."""
+        k = inputs.num_drafts
+        assert k is not None
+        first = np.cumsum(k + 1) - (k + 1)
+        plain, spec = np.flatnonzero(k == 0), np.flatnonzero(k > 0)
+        sampled = None
+        if len(plain):
+            sampled = self.sampler.draw(logits[self._upload(first[plain])],
+                                        self.batch.sampling_batch(inputs.sample_rows[plain]))
+            self.last_draw = sampled.tokens
+        ks = k[spec]
+        spec_rows = np.repeat(first[spec], ks + 1) + (np.arange(int((ks + 1).sum()))
+                                                      - np.repeat(np.cumsum(ks + 1) - (ks + 1), ks + 1))
+        expanded = np.repeat(inputs.sample_rows[spec], ks + 1)
+        sb = self.batch.sampling_batch(expanded, staged=False)
+        target = Sampler.probs(Sampler.process(logits[self._upload(spec_rows)], sb), sb)
+        u = uniforms_for(len(expanded), sb.generators, self.device)
+        if proposed is not None:
+            draft_ids, draft_probs = proposed
+        else:
+            draft_ids = self._upload(np.array([t for i in spec_index for t in scheduled[i].spec_token_ids], np.int64))
+            draft_probs = None
+        verified = rejection_sample(target, ks, draft_ids, draft_probs, u)
+        req_ids = [inputs.req_ids[i] for i in plain]
+        positions = self.batch.mark_sampled(inputs.sample_rows[plain]) if len(plain) else np.zeros(0, np.int64)
+        return InFlight(req_ids, positions, sampled, prompt, [inputs.req_ids[i] for i in spec], verified)
+
+    def _upload(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
 
     def finish(self, step: Optional[InFlight]) -> ModelRunnerOutput:
         """Wait for a launched step's tokens; they land in the batch, and the stop-token and
@@ -368,6 +434,15 @@ class ModelRunner:
                     result.logprobs[rid] = lp
         if step.prompt is not None:
             result.prompt_logprobs = self._prompt_logprobs(*step.prompt)
+        if step.spec is not None and step.spec_req_ids is not None:
+            emitted, spec_flags = self.batch.fill_speculated(step.spec_req_ids, step.spec.tokens)
+            for rid, toks, f, acc in zip(step.spec_req_ids, emitted, spec_flags, step.spec.num_accepted):
+                result.spec_token_ids[rid] = toks
+                result.spec_num_accepted[rid] = acc
+                if f:
+                    result.finish_flags[rid] = f
+                if self.draft is not None:
+                    self.draft.rollback(rid, int(self.batch.num_computed[self.batch.row_of[rid]]))
         return result
 
     @staticmethod

@@ -35,6 +35,9 @@ class ScheduledRequest:
     start_pos: int                # = tokens already in the KV cache for this request
     sample: bool                  # True when this chunk ends the known tokens: sample one token
     new_block_ids: list[int]      # blocks appended to the request's table this step
+    # Drafted tokens verified this step (speculative decoding): they follow the known tokens,
+    # counted in num_tokens. -1s: the runner's draft model fills them in.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -69,6 +72,10 @@ class ModelRunnerOutput:
     # Requests whose chunk scored prompt tokens: (the chunk's first position p, scores of the
     # prompt tokens p + 1, p + 2, ...).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Speculating requests: every token the step emitted (accepted drafts, then one drawn),
+    # cut after a stop token or the length limit; they are absent from sampled_token_ids.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_num_accepted: dict[str, int] = field(default_factory=dict)   # drafts accepted, before any cut
 
 
 @dataclass
@@ -132,6 +139,11 @@ class EngineStats:
     num_steps: int = 0                # cumulative steps that ran the model
     step_seconds: float = 0.0         # cumulative wall time of those steps (the publisher fits rates to it)
     max_num_batched_tokens: int = 0   # token budget of one step
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters); None when it is off.
+    spec_num_drafts: Optional[int] = None
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_utilisation(self) -> float:

@@ -134,6 +134,29 @@ class Sampler:
         return sampled
 
     @staticmethod
+    def probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        """The normalised distribution sample() draws from, per row (greedy rows: one-hot at the
+        argmax), after process(); for speculative decoding's rejection sampler. logits are
+        modified in place."""
+        argmax = logits.argmax(dim=-1) if b.any_greedy else None
+        if b.all_greedy:
+            assert argmax is not None
+            return torch.zeros_like(logits).scatter_(1, argmax[:, None], 1.0)
+        temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+        probs = logits.div_(temp[:, None])
+        probs = probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
+        if b.any_min_p:
+            probs.masked_fill_(probs < b.min_p[:, None], 0.0)
+        if b.top_k_max or b.any_top_p:
+            probs = _truncate(probs, b)
+        probs = probs.div_(probs.sum(dim=-1, keepdim=True))
+        if argmax is not None:
+            greedy = b.greedy if b.greedy is not None else b.temperature == 0
+            one_hot = torch.zeros_like(probs).scatter_(1, argmax[:, None], 1.0)
+            probs = torch.where(greedy[:, None], one_hot, probs)
+        return probs
+
+    @staticmethod
     def _pack(tokens: torch.Tensor, raw: Optional[torch.Tensor], b: SamplingBatch) -> tuple[torch.Tensor, int]:
         """Everything the host needs of the draw in one tensor, so that one copy moves it."""
         if raw is None or b.num_logprobs is None:
@@ -185,7 +208,12 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_truncated(probs: torch.Tensor, b: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
-    """Draw among each row's best tokens only: the k best (top_k), of which the fewest whose mass
+    """Draw among each row's best tokens only (_truncate)."""
+    return _inverse_cdf(_truncate(probs, b), u)
+
+
+def _truncate(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Keep (in place) each row's best tokens only: the k best (top_k), of which the fewest whose mass
     reaches p (top_p; the best one always stays). Both cut at a per-row threshold found from the
     best values alone (topk); the sorted whole vocabulary is needed only when a top_p row without
     top_k is so flat that its best TOP_P_CANDIDATES do not reach p."""
@@ -211,7 +239,7 @@ def _sample_truncated(probs: torch.Tensor, b: SamplingBatch, u: torch.Tensor) ->
         kept = (ahead < b.top_p[:, None] * total).sum(dim=-1).clamp(min=1)
         cutoff = cand.gather(1, (kept - 1)[:, None])
         probs.masked_fill_((b.top_p[:, None] < 1) & (probs < cutoff), 0.0)
-    return _inverse_cdf(probs, u)
+    return probs
 
 
 def _sorted_values(probs: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import Iterable
 from gpu_worker.kv_cache_manager import KVCacheManager
 from gpu_worker.outputs import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
 from gpu_worker.request import Request, RequestStatus
+from gpu_worker.spec_decode import Drafter, SpecStats
 
 
 class WaitingQueue:
@@ -63,8 +64,12 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", max_model_len: int | None = None):
+                 policy: str = "fcfs", max_model_len: int | None = None, drafter: Drafter | None = None):
         self.kv = kv
+        # Speculative decoding: a decoding request may compute drafted tokens after its own.
+        self.drafter = drafter
+        self.drafts: dict[str, list[int]] = {}      # this step's drafts, per request
+        self.spec_stats = SpecStats(accepted_per_pos=[0] * drafter.k) if drafter is not None else None
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -99,9 +104,15 @@ class Scheduler:
             if n < 1 or self._ends_in_flight(req) or (req.num_output_placeholders and req.waits_for_its_token):
                 i += 1
                 continue
+            drafts = self.drafter.propose(req, budget - 1) if self.drafter is not None and n == 1 else []
+            n += len(drafts)
             while self.kv.allocate_slots(req, n) is None:
+                if drafts:      # no room for the drafts: decode plainly before preempting anyone
+                    drafts, n = [], 1
+                    continue
                 victim = self._pick_victim()
                 budget += chunks.pop(victim.req_id, 0)
+                self.drafts.pop(victim.req_id, None)
                 if self.running.index(victim) < i:
                     i -= 1
                 self._preempt(victim)
@@ -110,6 +121,8 @@ class Scheduler:
                     break
             else:
                 chunks[req.req_id] = n
+                if drafts:
+                    self.drafts[req.req_id] = drafts
                 budget -= n
                 i += 1
         # Admitting after a preemption would only take back the blocks just freed.
@@ -130,6 +143,7 @@ class Scheduler:
                 if victim is None:
                     break
                 budget += chunks.pop(victim.req_id, 0)
+                self.drafts.pop(victim.req_id, None)
                 self._preempt(victim)
                 continue
             self.waiting.pop()
@@ -179,6 +193,7 @@ class Scheduler:
     def _output(self, chunks: dict[str, int]) -> SchedulerOutput:
         scheduled, new = [], []
         requests, req_blocks, blocks_sent = self.requests, self.kv.req_to_blocks, self.blocks_sent
+        drafts, self.drafts = self.drafts, {}
         for req_id, n in chunks.items():     # once per request per step: kept lean
             req = requests[req_id]
             start = req.num_computed_tokens
@@ -199,6 +214,12 @@ class Scheduler:
                 added = []
                 blocks_sent[req_id] = sent
             end = start + n
+            spec = drafts.get(req_id) if drafts else None
+            if spec:
+                scheduled.append(ScheduledRequest(req_id, n, start, True, added, spec))
+                req.num_computed_tokens = end
+                req.num_output_placeholders += 1
+                continue
             sample = end == len(req.all_token_ids) + req.num_output_placeholders
             scheduled.append(ScheduledRequest(req_id, n, start, sample, added))
             # Progress counts from now: the next step may be scheduled before this one returns.
@@ -229,6 +250,9 @@ class Scheduler:
             req.num_output_placeholders -= 1
             token = tokens.get(s.req_id)
             if token is None:
+                if s.spec_token_ids and s.req_id in result.spec_token_ids:
+                    self._land_speculated(req, s, result)
+                    advanced.append(req)
                 continue
             req.append_output_token(token)
             if logprobs and s.req_id in logprobs and req.params.logprobs is not None:
@@ -237,6 +261,21 @@ class Scheduler:
                 self.finished_req_ids.add(req.req_id)   # its runner row can go now
             advanced.append(req)
         return advanced
+
+    def _land_speculated(self, req: Request, s: ScheduledRequest, result: ModelRunnerOutput) -> None:
+        """A verified step's tokens join the request; the slots of its rejected drafts go back:
+        its KV is valid up to the last accepted draft (the token drawn after it is computed next
+        step), and blocks past that are freed."""
+        emitted = result.spec_token_ids[s.req_id]
+        for t in emitted:
+            req.append_output_token(t)
+        req.num_computed_tokens -= len(s.spec_token_ids) + 1 - len(emitted)
+        if req.status is RequestStatus.RUNNING:
+            kept = self.kv.truncate(req, req.num_computed_tokens)
+            if self.blocks_sent.get(req.req_id, 0) > kept:
+                self.blocks_sent[req.req_id] = kept
+        if self.spec_stats is not None:
+            self.spec_stats.record(len(s.spec_token_ids), result.spec_num_accepted.get(s.req_id, 0))
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         done = []
