@@ -75,6 +75,17 @@ class _EngineCollector:
         yield counter("num_preemptions", "Preemptions (requests sent back to recompute).", s.preemptions)
         yield counter("prompt_tokens", "Prefill tokens computed.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+        if s.spec_num_drafts is not None:       # speculative decoding on
+            yield counter("spec_decode_num_drafts", "Speculative proposals verified (one per sequence "
+                          "and step).", s.spec_num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
+            per_pos = CounterMetricFamily(n("spec_decode_num_accepted_tokens_per_pos"),
+                                          "Draft tokens accepted, by position in the draft.",
+                                          labels=n.labels + ["position"])
+            for pos, count in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric(n.values + [str(pos)], count)
+            yield per_pos
 
 
 class WorkerMetrics:

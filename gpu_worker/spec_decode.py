@@ -119,7 +119,7 @@ def rejection_sample(target: torch.Tensor, num_drafts: np.ndarray, draft_ids: to
     """target [N, V]: normalised target distributions, 1 + k_s rows per sequence s in order;
     draft_ids [sum k]: the drafts; draft_probs [sum k, V] the distributions they were drawn
     from (None: point masses, n-gram); u [N]: one uniform per target row (the acceptance test
-    of each draft, then the final draw on the sequence's last row)."""
+    of draft j on row j, the final draw on the sequence's last row)."""
     s = len(num_drafts)
     rows = num_drafts + 1
     first = np.cumsum(rows) - rows                  # each sequence's first target row
@@ -154,7 +154,10 @@ def rejection_sample(target: torch.Tensor, num_drafts: np.ndarray, draft_ids: to
         empty = resid.sum(dim=1, keepdim=True) <= 0
         dist[rej] = torch.where(empty, dist[rej], resid)
     cdf = dist.cumsum(dim=1)
-    x = u[final_row][:, None] * cdf[:, -1:]
+    # The last row's uniform: never used by an acceptance test (reusing the rejected one's
+    # would draw from only the part of [0, 1) that rejection leaves).
+    last_row = torch.from_numpy(first + num_drafts).to(dev)
+    x = u[last_row][:, None] * cdf[:, -1:]
     final = torch.searchsorted(cdf, x, right=True).squeeze(1).clamp(max=dist.shape[1] - 1)
     drafts_host = draft_ids.cpu().tolist()
     final_host = final.cpu().tolist()
