@@ -398,6 +398,9 @@ SCHEMA_REFUSES = [
     ({"workerDefaults": {"gpus": -1}}, "/workerDefaults"),
     ({"workerDefaults": {"kvCacheMemory": "lots"}}, "/workerDefaults"),
     ({"securityContext": {"runAsUser": 0}}, "/securityContext/runAsUser"),
+    ({"workerDefaults": {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}}},
+     "/workerDefaults"),
+    ({"workerDefaults": {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 0}}}, "/workerDefaults"),
 ]
 
 
@@ -420,6 +423,8 @@ TEMPLATE_REFUSES = [
      "router.resources.requests.cpu"),
     ({"workerDefaults": {"drainGraceSeconds": 300}}, "probes.liveness"),
     ({"workerDefaults": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": 0}}}, "rollingUpdate"),
+    ({"workerDefaults": {"asyncScheduling": "on", "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 2}}},
+     "speculativeConfig: needs asyncScheduling auto or off"),
 ]
 
 

@@ -13,6 +13,7 @@ import re
 
 import pytest
 
+from gpu_worker.spec_config import SpeculativeConfig
 from tests.plugins.helm import CASES, EVERYTHING, component, containers, find, render
 
 # `pagoda <command>` execs `python -m <module>`, whose flags live in <module>/args.py.
@@ -97,7 +98,8 @@ def test_values_map_one_to_one_onto_flags():
         "worker": {"kv_cache_memory": w["kvCacheMemory"], "num_kv_blocks": w["numKvBlocks"],
                    "max_num_batched_tokens": w["maxNumBatchedTokens"], "max_model_len": w["maxModelLen"],
                    "max_waiting": w["maxWaiting"], "heartbeat_interval": w["heartbeatInterval"],
-                   "snapshot_interval": w["snapshotInterval"], "scheduling_policy": "priority", "async_scheduling": "on",
+                   "snapshot_interval": w["snapshotInterval"], "scheduling_policy": "priority", "async_scheduling": "off",
+                   "speculative_config": SpeculativeConfig("ngram", 3, prompt_lookup_max=4, prompt_lookup_min=4),
                    "metrics_prefix": "vllm", "model_impl": "transformers", "revision": "v1.2",
                    "dtype": "bfloat16", "block_size": 32, "no_prefix_caching": True, "enforce_eager": True, "port": 50051,
                    "redis_url": "redis://rel-pagoda-redis:6379/0", "gpu_memory_utilization": 0.9,
