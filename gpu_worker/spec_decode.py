@@ -13,6 +13,7 @@ without speculation.
 
 Rows with a grammar, penalties, logprobs or min_tokens still to reach never speculate: their
 next distribution depends on the tokens before it in ways the one-forward check would not see.
+Nor does a request's first token (it carries the prompt's scores, prompt_logprobs).
 
 The draft model's KV lives in its own pool with the target's block ids (same block size, so
 the target's block tables and slot mappings serve it): a request's blocks hold both models'
@@ -42,7 +43,7 @@ def can_speculate(req: "Request") -> bool:
     p = req.params
     return (req.grammar is None and p.logprobs is None and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and req.num_output_tokens >= p.min_tokens)
+            and req.num_output_tokens >= max(1, p.min_tokens))
 
 
 def ngram_propose(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> np.ndarray:

@@ -301,9 +301,11 @@ def test_sampled_speculation_runs_to_the_end_and_seeds_repeat(engines, copy_mode
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert all(len(o.outputs[0].token_ids) == 40 for o in a)
     # Rows that cannot speculate (penalties, logprobs) share the batch and still decode.
-    mixed = [sp, SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, logprobs=2)]
-    out = engines["ngram"].generate(prompts, mixed)
+    mixed = [sp, SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, logprobs=2),
+             SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=1, ignore_eos=True)]
+    out = engines["ngram"].generate(prompts + [doc[:40] + doc[:2]], mixed)
     assert len(out[1].outputs[0].token_ids) == 12 and len(out[1].outputs[0].logprobs) == 12
+    assert len(out[2].prompt_logprobs) == 42 and len(out[2].outputs[0].token_ids) == 12
 
 
 def test_metrics_under_vllms_names():
@@ -323,3 +325,23 @@ def test_metrics_under_vllms_names():
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 2.0' in text
     plain = EngineStats(**{**stats.__dict__, "spec_num_drafts": None})
     assert "spec_decode" not in generate_latest(WorkerMetrics(lambda: plain, "m", "vllm").registry).decode()
+
+
+def test_speculation_on_cuda_matches_plain(copy_model):
+    """The CUDA twin (bench/gpu_check.sh): Triton attention over the k + 1 query rows, the
+    draft model's pool on the device; greedy output equal to plain decoding there."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from gpu_worker.llm import LLM
+    path, doc = copy_model
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=96, block_size=16)
+    prompts = [doc[:120] + doc[:3], doc[50:200] + doc[50:52]]
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, sp)]
+    for spec in (NGRAM, {"model": path, "num_speculative_tokens": 3}):
+        llm = LLM(path, speculative_config=spec, **kw)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == plain
+        st = llm.engine.stats()
+        assert st.spec_num_accepted_tokens > 0.5 * st.spec_num_draft_tokens
+        sampled = llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=3))
+        assert all(len(o.outputs[0].token_ids) == 32 for o in sampled)
