@@ -345,3 +345,19 @@ def test_speculation_on_cuda_matches_plain(copy_model):
         assert st.spec_num_accepted_tokens > 0.5 * st.spec_num_draft_tokens
         sampled = llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=3))
         assert all(len(o.outputs[0].token_ids) == 32 for o in sampled)
+
+
+def test_bench_smoke(tmp_path, capsys):
+    """bench/spec_decode.py end to end on a toy size: every configuration runs, outputs equal
+    plain decoding's, and n-gram lookup takes fewer steps than tokens."""
+    import json
+
+    from bench.spec_decode import main
+    out = tmp_path / "r.json"
+    assert main(["--rounds", "1", "--doc-len", "40", "--requests", "1", "--layers", "1", "--hidden", "64",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 10 and all(r["same_output"] for r in rows)
+    ngram = [r for r in rows if r["config"] == "ngram k=4"]
+    assert all(r["tokens_per_step"] > 1.5 for r in ngram)
+    assert "speed-up" in capsys.readouterr().out
