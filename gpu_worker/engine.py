@@ -32,6 +32,14 @@ logger = logging.getLogger(__name__)
 live_engines: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
 
 
+def uses_async_scheduling(config: EngineConfig, device_type: str) -> bool:
+    """on, or auto on CUDA; never with speculation, which proposes from the tokens the last
+    step returned (auto means off with it; "on" is refused by EngineConfig)."""
+    if config.speculative_config is not None:
+        return False
+    return config.async_scheduling == "on" or (config.async_scheduling == "auto" and device_type == "cuda")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from gpu_worker.model_runner import ModelRunner
@@ -58,8 +66,7 @@ class LLMEngine:
         self.generation_tokens = 0
         self.num_steps, self.step_seconds = 0, 0.0
         self.in_flight: tuple[SchedulerOutput, Optional[InFlight]] | None = None   # launched, not collected
-        self.async_scheduling = config.async_scheduling == "on" or (
-            config.async_scheduling == "auto" and self.runner.device.type == "cuda")
+        self.async_scheduling = uses_async_scheduling(config, self.runner.device.type)
         self._serial = itertools.count()
         live_engines.add(self)
         freeze_heap()

@@ -62,6 +62,15 @@ def test_worker_flag_in_help_and_bad_json_named_before_the_model_loads(capsys):
     assert "--speculative-config" in err and "speculative_config.num_speculative_tokens" in err
 
 
+def test_speculation_never_pipelines_steps():
+    """auto is off with speculation, on CUDA too."""
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import uses_async_scheduling
+    assert uses_async_scheduling(EngineConfig(model="m"), "cuda")
+    assert not uses_async_scheduling(EngineConfig(model="m", speculative_config=NGRAM), "cuda")
+    assert not uses_async_scheduling(EngineConfig(model="m", speculative_config=NGRAM, async_scheduling="off"), "cpu")
+
+
 def test_engine_config_refuses_async_scheduling_and_tensor_parallel_with_speculation():
     from gpu_worker.config import EngineConfig
     with pytest.raises(ValueError, match="^async_scheduling"):
