@@ -370,3 +370,43 @@ def test_bench_smoke(tmp_path, capsys):
     ngram = [r for r in rows if r["config"] == "ngram k=4"]
     assert all(r["tokens_per_step"] > 1.5 for r in ngram)
     assert "speed-up" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("no_block_leaks", "one_torch_thread")
+def test_async_streams_and_abort_with_speculation(engines, copy_model):
+    """Through AsyncLLM (what the worker serves): concurrent streams carry several tokens per
+    delta and equal plain decoding; a stream aborted mid-way frees everything."""
+    import asyncio
+
+    from gpu_worker.async_llm import AsyncLLM
+    from gpu_worker.config import EngineConfig
+    path, doc = copy_model
+    prompts = [doc[:80] + doc[:2], doc[40:160] + doc[40:42], doc[100:220] + doc[100:101]]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in engines["plain"].generate(prompts, sp)]
+    eng = AsyncLLM(EngineConfig(model=path, device="cpu", num_kv_blocks=96, block_size=8, speculative_config=NGRAM))
+
+    async def collect(rid, p):
+        return [d async for d in eng.generate(rid, p, sp)]
+
+    async def aborted():
+        got = 0
+        async for d in eng.generate("gone", prompts[0], SamplingParams(temperature=0.0, max_tokens=200,
+                                                                       ignore_eos=True)):
+            got += len(d.token_ids)
+            if got >= 10:
+                break       # leaving the stream aborts the request
+        return got
+
+    async def main():
+        return await asyncio.gather(*[collect(f"s{i}", p) for i, p in enumerate(prompts)], aborted())
+
+    try:
+        *streams, got = asyncio.run(main())
+        assert got >= 10
+        for deltas, w in zip(streams, want):
+            assert [t for d in deltas for t in d.token_ids] == w
+            assert max(len(d.token_ids) for d in deltas) > 1
+            assert deltas[-1].finished and deltas[-1].num_output_tokens == 40
+    finally:
+        asyncio.run(eng.shutdown())
