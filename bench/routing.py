@@ -11,7 +11,9 @@ formula (router/scoring.py).
 
 Figures: token-weighted prefix hit rate and its ratio to the oracle's; regret = prefill that a
 worker already holding more of the prompt would have saved / prefill paid; imbalance = max/mean
-requests per worker; simulated TTFT p50/p99; goodput = requests/s whose TTFT met the SLO; the
+requests per worker; simulated TTFT p50/p90/p99; goodput = requests/s whose TTFT met the SLO;
+throughput = output tokens/s from the first arrival to the last finish (what hot_prompt, a
+closed loop of --concurrency clients, is judged by); the
 router's decision latency (hash + rank + credit + speculative insert), both as this thread's
 CPU time (the decision's own cost) and wall clock (which also counts waiting for a busy CPU),
 and the decisions per second one router process can make on one core at that CPU cost.
@@ -65,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests-per-worker", type=int, default=None, help="default 150 (quick: 20)")
     p.add_argument("--load", type=float, default=0.9,
                    help="offered work as a fraction of the cluster's capacity if nothing were cached")
+    p.add_argument("--decode-seq-us", type=float, default=CostModel.decode_seq_s * 1e6,
+                   help="simulated GPU: step time per decoding sequence, us")
+    p.add_argument("--concurrency", type=int, default=64, help="hot_prompt: closed-loop clients")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per simulated worker")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--publish-interval", type=float, default=0.05, help="simulated s between event pushes")
@@ -113,9 +118,10 @@ def run_one(a, redis_url: str, loop, workload: str, num_workers: int, policy: st
     redis.Redis.from_url(redis_url).flushdb()
     cfg = SimConfig(block_size=a.block_size, num_blocks=a.num_blocks, publish_interval_s=a.publish_interval,
                     heartbeat_s=a.heartbeat, ttft_slo_s=a.ttft_slo)
-    cost = CostModel()
+    cost = CostModel(decode_seq_s=a.decode_seq_us * 1e-6)
     rate = lambda prompt, output: a.load * num_workers / cost.request_cost(prompt, output)  # noqa: E731
-    firsts = make_workload(workload, num_workers, a.requests_per_worker * num_workers, a.seed, rate)
+    firsts = make_workload(workload, num_workers, a.requests_per_worker * num_workers, a.seed, rate,
+                           a.concurrency, a.num_blocks * a.block_size)
     root = namespace_root(MODEL)
     workers = [SimWorker(cfg.num_blocks, cfg.block_size, root, cost, cfg.max_num_seqs, cfg.max_batched_tokens)
                for _ in range(num_workers)]
@@ -138,8 +144,8 @@ def print_table(results: list[Result], workload: str) -> None:
         return
     oracle = {r.workers: r.hit_rate for r in rows if r.policy == "oracle"}
     print(f"\n### {workload}\n")
-    print("| workers | policy | hit rate | vs oracle | regret | imbalance req / busy | TTFT p50 ms | "
-          "TTFT p99 ms | goodput req/s | decision us CPU p50 / p99 | wall p50 / p99 | decisions/s |")
+    print("| workers | policy | hit rate | vs oracle | regret | imbalance req / busy | TTFT p50 / p90 / p99 ms | "
+          "goodput req/s | throughput tok/s | decision us CPU p50 / p99 | wall p50 / p99 | decisions/s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         rel = f"{r.hit_rate / oracle[r.workers]:.3f}" if oracle.get(r.workers) else "-"
@@ -147,8 +153,8 @@ def print_table(results: list[Result], workload: str) -> None:
                (f"{r.decision_cpu_p50_us:.0f} / {r.decision_cpu_p99_us:.0f}",
                 f"{r.decision_p50_us:.0f} / {r.decision_p99_us:.0f}", f"{r.decisions_per_s:,.0f}"))
         print(f"| {r.workers} | {r.policy} | {r.hit_rate:.3f} | {rel} | {r.regret:.3f} | "
-              f"{r.imbalance:.2f} / {r.busy_imbalance:.2f} | {r.ttft_p50 * 1e3:.0f} | {r.ttft_p99 * 1e3:.0f} | "
-              f"{r.goodput:.1f} | {dec[0]} | {dec[1]} | {dec[2]} |")
+              f"{r.imbalance:.2f} / {r.busy_imbalance:.2f} | {r.ttft_p50 * 1e3:.0f} / {r.ttft_p90 * 1e3:.0f} / "
+              f"{r.ttft_p99 * 1e3:.0f} | {r.goodput:.1f} | {r.throughput:,.0f} | {dec[0]} | {dec[1]} | {dec[2]} |")
 
 
 def check_targets(results: list[Result]) -> list[str]:
@@ -215,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     policies = _names(a.policies, POLICIES + EXTRA_POLICIES, "policies")
     if a.requests_per_worker < 1 or any(n < 1 for n in sizes):
         raise SystemExit("requests-per-worker and workers: must be at least 1")
+    if not a.decode_seq_us >= 0:
+        raise SystemExit(f"decode-seq-us: must be at least 0 (got {a.decode_seq_us})")
+    if a.concurrency < 1:
+        raise SystemExit(f"concurrency: must be at least 1 (got {a.concurrency})")
     print(f"# routing simulator: {' '.join(sys.argv)}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs), python {platform.python_version()}")

@@ -42,8 +42,10 @@ class Result:
     imbalance: float          # max / mean of requests per worker
     busy_imbalance: float     # max / mean of GPU-busy seconds per worker
     ttft_p50: float
+    ttft_p90: float
     ttft_p99: float
     goodput: float            # requests/s meeting the TTFT SLO
+    throughput: float         # output tokens/s, first arrival to last finish
     decision_p50_us: float    # wall clock: includes time this process waited for a CPU
     decision_p99_us: float
     decision_cpu_p50_us: float   # this thread's CPU time: the decision's own cost
@@ -146,7 +148,8 @@ class Simulation:
                       avoidable / paid if paid else 0.0,
                       max(counts) / statistics.fmean(counts),
                       max(self.busy_s) / mean_busy if mean_busy else 1.0,
-                      pct(ttft, 0.5), pct(ttft, 0.99),
+                      pct(ttft, 0.5), pct(ttft, 0.9), pct(ttft, 0.99),
                       sum(1 for t in ttft if t <= self.cfg.ttft_slo_s) / span,
+                      sum(len(r.output) for r in reqs) / span,
                       pct(wall, 0.5), pct(wall, 0.99), pct(cpu, 0.5), pct(cpu, 0.99),
                       1e6 / mean_cpu if mean_cpu else float("nan"), span)

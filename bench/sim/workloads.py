@@ -1,11 +1,19 @@
 """Synthetic request streams for the routing simulator.
 
-Four shapes of prefix sharing, each a list of first requests with Poisson arrival times:
+Six shapes of prefix sharing, each a list of first requests (Poisson arrival times, but for
+hot_prompt):
 - shared_prompts: many system prompts, each request one of them plus a unique user turn;
 - multi_turn: chat sessions whose every turn resends the whole conversation so far
   (turn k+1 is released a think time after turn k finishes, so it is closed-loop);
 - zipf: a large pool of prefixes drawn with Zipf popularity, a few very hot;
-- no_sharing: every prompt unique, where routing can only balance load.
+- no_sharing: every prompt unique, where routing can only balance load;
+- hot_prompt: one system prompt for every request, closed-loop: `concurrency` clients, each
+  sending its next request the moment the last one finishes (judged by throughput: the
+  question is whether the one prompt's holder is left to do all the work);
+- many_tenants: as llm-d's shared-prefix benchmark: many tenants, each with its own long system
+  prompt, equally popular, their prompts together 3/4 of the fleet's KV caches: they all stay
+  cached only if each worker keeps to its own share of tenants (at 4 workers, a worker that sees
+  every tenant, as under round robin, has room for a third of them).
 Token ids are random; only their equality matters, since blocks are named by hash.
 """
 from __future__ import annotations
@@ -14,7 +22,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional
 
-WORKLOADS = ("shared_prompts", "multi_turn", "zipf", "no_sharing")
+WORKLOADS = ("shared_prompts", "multi_turn", "zipf", "no_sharing", "hot_prompt", "many_tenants")
 VOCAB = 32000
 _IDS = range(1, VOCAB)
 
@@ -49,10 +57,16 @@ def _zipf_weights(n: int, s: float) -> list[float]:
 
 
 def make_workload(name: str, num_workers: int, num_requests: int, seed: int,
-                  rate_fn) -> list[SimRequest]:
+                  rate_fn, concurrency: int = 64, cache_tokens: int = 32768) -> list[SimRequest]:
     """First requests in arrival order. `rate_fn(mean_prompt, mean_output)` gives the
-    cluster's request rate for requests of that mean size (the caller's load target)."""
+    cluster's request rate for requests of that mean size (the caller's load target);
+    hot_prompt ignores it and runs `concurrency` clients instead; many_tenants sizes its tenants
+    by `cache_tokens`, one worker's KV cache."""
     rng = random.Random(seed)
+    if name == "hot_prompt":
+        return _hot(rng, num_requests, concurrency)
+    if name == "many_tenants":
+        return _tenants(rng, num_workers, num_requests, rate_fn, cache_tokens)
     if name == "shared_prompts":
         return _shared(rng, num_workers, num_requests, rate_fn)
     if name == "multi_turn":
@@ -95,6 +109,26 @@ def _unique(rng, n, rate_fn):
     times = _arrivals(rng, n, rate_fn(1280, 144))
     return [SimRequest(f"r{i}", t, _tokens(rng, rng.randint(512, 2048)), _tokens(rng, rng.randint(32, 256)))
             for i, t in enumerate(times)]
+
+
+def _hot(rng, n, concurrency, system=1536, suffix=(32, 256), out=(32, 256), ramp_s=1.0):
+    """`concurrency` closed-loop clients over one system prompt: client c's requests are chained
+    (each released when the one before it finishes, think time 0). The clients join one by one
+    over `ramp_s`, as a load generator ramps up (all at once, every first request would find the
+    prompt uncached everywhere, whatever the policy: a prefill shares only blocks already computed)."""
+    prompt = _tokens(rng, system)
+    reqs = [SimRequest(f"c{i % concurrency}r{i // concurrency}", ramp_s * i / concurrency,
+                       prompt + _tokens(rng, rng.randint(*suffix)), _tokens(rng, rng.randint(*out)))
+            for i in range(n)]
+    for i, r in enumerate(reqs[concurrency:], concurrency):
+        reqs[i - concurrency].follow_up = r
+    return reqs[:concurrency]
+
+
+def _tenants(rng, num_workers, n, rate_fn, cache_tokens, prefix=4096, suffix=(64, 256), out=(32, 128)):
+    tenants = max(2, round(0.75 * num_workers * cache_tokens / prefix))
+    prefixes = [_tokens(rng, prefix) for _ in range(tenants)]
+    return _with_prefixes(rng, prefixes, None, n, rate_fn, suffix, out)
 
 
 def _multi_turn(rng, num_workers, n, rate_fn, turns=(2, 8), think=4.0):
