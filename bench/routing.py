@@ -45,8 +45,9 @@ from clients.up import find_redis_server, free_port, redis_command, wait_redis  
 from protos.block_hash import namespace_root  # noqa: E402
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "oracle")
-# Not run by default: v1's cost (before issue 16), for comparing the two on today's simulator.
-EXTRA_POLICIES = ("v1_tokens",)
+# Not run by default: v1's cost (before issue 16), and prefix_aware without SPREAD (before issue 25),
+# for comparing them on today's simulator.
+EXTRA_POLICIES = ("v1_tokens", "no_spread")
 # What each policy minimises (router/scoring.py spells out load, excess and prefill()).
 FORMULAS = {
     "round_robin": "next worker in turn",
@@ -54,6 +55,7 @@ FORMULAS = {
     "prefix_aware": "load + excess + prefill(P - C), C = cached prefix in the router's index",
     "oracle": "prefix_aware's cost on every worker's exact cache, load, speed and time to drain its queued "
               "prefill (the step under way included), undelayed",
+    "no_spread": "prefix_aware's cost without SPREAD (a hot prefix's copy charged its whole prefill)",
     "v1_tokens": "v1 (token units): P - C + queued prefill + 4 * (running + waiting + in flight) + kv_penalty",
 }
 
@@ -128,6 +130,7 @@ def run_one(a, redis_url: str, loop, workload: str, num_workers: int, policy: st
     bus = RedisBus(redis_url, num_workers, workers, loop, cfg.heartbeat_s, cfg.snapshot_s)
     pol = (OraclePolicy(workers, a.seed, cfg.block_size) if policy == "oracle"
            else TokenCostPolicy(redis_url, loop, a.seed) if policy == "v1_tokens"
+           else RouterPolicy("prefix_aware", redis_url, loop, a.seed, spread=False) if policy == "no_spread"
            else RouterPolicy(policy, redis_url, loop, a.seed))
     try:
         sim = Simulation(firsts, workers, pol, bus, cfg, root)
@@ -221,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     policies = _names(a.policies, POLICIES + EXTRA_POLICIES, "policies")
     if a.requests_per_worker < 1 or any(n < 1 for n in sizes):
         raise SystemExit("requests-per-worker and workers: must be at least 1")
-    if not a.decode_seq_us >= 0:
-        raise SystemExit(f"decode-seq-us: must be at least 0 (got {a.decode_seq_us})")
+    if not a.decode_seq_us > 0:
+        raise SystemExit(f"decode-seq-us: must be above 0 (got {a.decode_seq_us})")
     if a.concurrency < 1:
         raise SystemExit(f"concurrency: must be at least 1 (got {a.concurrency})")
     print(f"# routing simulator: {' '.join(sys.argv)}")

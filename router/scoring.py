@@ -42,6 +42,22 @@ the bench, was never reached by chat sessions, whose loads are a tenth of it: mu
 imbalance 1.24-1.28 at 16-32 workers on seeds 1 and 3; without it 1.15-1.18.) least_loaded is the
 same cost with C = 0; round_robin rotates. Ties break at random.
 
+SPREAD: a hot prefix is copied before its holders run ahead. The saving above weighs one request
+against the holder's queue, as if the worker that computes the prefix again did so for that one
+request; but the copy it makes serves every later request of that prefix. So a worker that holds
+less of the prompt than the deepest holders is charged that prefill divided by the requests a
+copy would take: with L of this router's requests sharing the deepest held block running on the
+h deepest holders (prefix_live, counted from the decision to the request's end), a new copy
+would take about u = L / (h + 1) of as many to come, and for u > 1
+
+    cost      -= (1 - 1 / u) * prefill(C_max - C)       C_max: the deepest holders' overlap
+
+(prefill at that worker's rates). A holder with the whole burst of a single system prompt running
+then loses the next request to the next-best worker as soon as its load exceeds that worker's by
+1/u of one prefill, instead of by a whole one: one prefill makes a second copy, and the copies
+share the load. A prefix that is not hot (a chat session's own history: the turn before has
+ended, L = 0) is costed as before.
+
 The cost is evaluated for all of a model's workers at once over numpy arrays of each worker's
 figures. A report rewrites its worker's row where the Redis sync applies it; credits, first
 tokens and ends mark the row for the next decision to recompute. A decision thus recomputes only
@@ -109,6 +125,9 @@ class WorkerState:
     # The counted ones whose first token came after the report: kept apart so that figures()
     # looks at these few, not at every request the worker runs.
     prefilled: dict[str, Credit] = field(default_factory=dict)
+    # This router's requests running here, by the deepest cached block they share (hot prefixes).
+    prefix_live: dict[bytes, int] = field(default_factory=dict)
+    _prefix_of: dict[str, bytes] = field(default_factory=dict, repr=False)
     _memo: tuple[float, float, float, float, float] | None = field(default=None, repr=False)   # figures()
     _table: _Figures | None = field(default=None, repr=False)   # the scorer's arrays this worker is a row of
 
@@ -126,11 +145,25 @@ class WorkerState:
         """Stable across restarts (for metric labels); the id changes with every process."""
         return self.lease.name or self.lease.worker_id
 
-    def credit(self, request_id: str, prefill_tokens: int, now: float) -> None:
+    def credit(self, request_id: str, prefill_tokens: int, now: float, prefix: bytes | None = None) -> None:
+        """`prefix`: the deepest cached block the request shares (Choice.prefix), counted in
+        prefix_live until the request ends here or fails."""
         self.uncredit(request_id)
         self.credits[request_id] = Credit(prefill_tokens, now, prefill_tokens)
         self.credit_prefill += prefill_tokens
+        if prefix is not None:
+            self._prefix_of[request_id] = prefix
+            self.prefix_live[prefix] = self.prefix_live.get(prefix, 0) + 1
         self._changed()
+
+    def _release_prefix(self, request_id: str) -> None:
+        key = self._prefix_of.pop(request_id, None)
+        if key is not None:
+            left = self.prefix_live[key] - 1
+            if left:
+                self.prefix_live[key] = left
+            else:
+                del self.prefix_live[key]
 
     def prefill_done(self, request_id: str, now: float = 0.0) -> None:
         """First token out: its prefill no longer waits, but it decodes until it finishes."""
@@ -153,6 +186,7 @@ class WorkerState:
             self._changed()
         self.counted.pop(request_id, None)
         self.prefilled.pop(request_id, None)
+        self._release_prefix(request_id)
 
     def finish(self, request_id: str, now: float) -> None:
         """The request's stream ended: it no longer loads the worker, reported or not."""
@@ -165,6 +199,7 @@ class WorkerState:
         if c:
             c.ended_at = now
             self.gone[request_id] = c
+        self._release_prefix(request_id)
         self._changed()
 
     def on_heartbeat(self, lease: Lease) -> None:
@@ -276,16 +311,25 @@ class Choice:
     worker: WorkerState
     cost: float
     cached_tokens: int       # predicted prefix-cache hit on this worker
+    prefix: bytes | None = None   # the deepest block any worker holds of the prompt (prefix_live's key)
+
+
+def prefix_key(hashes: Sequence[bytes], overlap: dict[str, int], prompt_len: int, block: int) -> bytes | None:
+    """The hash of the deepest prompt block any worker holds that can hit (the last prompt token
+    is always recomputed): the key a hot prefix's requests are counted by."""
+    k = min(max(overlap.values(), default=0), max(prompt_len - 1, 0) // block, len(hashes))
+    return hashes[k - 1] if k else None
 
 
 class Scorer:
     def __init__(self, policy: str, index: BlockIndex, rng: random.Random | None = None,
-                 balance: float = BALANCE):
+                 balance: float = BALANCE, spread: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)} (got {policy!r})")
         if not balance >= 1.0:
             raise ValueError(f"balance: must be at least 1.0 (got {balance})")
         self.policy, self.index, self.balance = policy, index, balance
+        self.spread = spread and policy == "prefix_aware"      # False: SPREAD off (bench comparisons)
         self.rng = rng or random.Random()
         self.output_tokens = float(DEFAULT_OUTPUT_TOKENS)     # O: moving average of finished outputs
         self._rr: dict[str, itertools.count] = {}
@@ -303,12 +347,15 @@ class Scorer:
         decode runs at most `max_output` tokens (its max_tokens), whatever others average."""
         if not workers:
             return []
-        return self.rank_overlap(model, workers, prompt_len, self.index.overlap(hashes), limit, max_output, now)
+        overlap = self.index.overlap(hashes)
+        key = prefix_key(hashes, overlap, prompt_len, workers[0].lease.block_size)
+        return self.rank_overlap(model, workers, prompt_len, overlap, limit, max_output, now, key)
 
     def rank_overlap(self, model: str, workers: list[WorkerState], prompt_len: int, overlap: dict[str, int],
                      limit: int | None = None, max_output: int | None = None,
-                     now: float | None = None) -> list[Choice]:
-        """rank() given each worker's cached leading blocks (absent = none): the oracle's entry."""
+                     now: float | None = None, prefix: bytes | None = None) -> list[Choice]:
+        """rank() given each worker's cached leading blocks (absent = none) and the prompt's
+        prefix_key(): the oracle's entry."""
         block = workers[0].lease.block_size
         # The engine always recomputes the last prompt token, so at most prompt_len - 1 hit.
         cap = max(prompt_len - 1, 0)
@@ -316,7 +363,7 @@ class Scorer:
             workers = sorted(workers, key=lambda w: w.id)
             start = next(self._rr.setdefault(model, itertools.count())) % len(workers)
             order = workers[start:] + workers[:start]
-            return [Choice(w, float(i), min(overlap.get(w.id, 0) * block, cap))
+            return [Choice(w, float(i), min(overlap.get(w.id, 0) * block, cap), prefix)
                     for i, w in enumerate(order)][:limit]
         f = self._figures(model, workers)
         n = len(workers)
@@ -340,6 +387,8 @@ class Scorer:
                 cached[i] = min(blocks * block, cap)
                 if self.policy == "prefix_aware":
                     cost[i] -= cached[i] * f.per_token[i]
+        if self.spread and prefix is not None and cached:
+            self._spread(f, cost, cached, prefix)
         k = n if limit is None else min(limit, n)
         rand = self.rng.random
         if n <= _SMALL:
@@ -350,7 +399,26 @@ class Scorer:
             kth = np.partition(cost, k - 1)[k - 1]
             pick = np.flatnonzero(cost <= kth)
             tied = [(c, rand(), i) for c, i in zip(cost[pick].tolist(), pick.tolist())]
-        return [Choice(workers[i], c, cached.get(i, 0)) for c, _, i in sorted(tied)[:k]]
+        return [Choice(workers[i], c, cached.get(i, 0), prefix) for c, _, i in sorted(tied)[:k]]
+
+    def _spread(self, f: _Figures, cost: np.ndarray, cached: dict[int, int], prefix: bytes) -> None:
+        """A hot prefix's copy is priced at its share: a worker holding less of it than the
+        deepest holders pays the prefill of what it lacks divided by the requests a new copy would
+        take (SPREAD in the module docstring); `cost` is changed in place."""
+        deepest = max(cached.values())
+        holders = [i for i, c in cached.items() if c == deepest]
+        live = 0
+        for i in holders:
+            live += f.workers[i].prefix_live.get(prefix, 0)
+        share = live / (len(holders) + 1)
+        if share <= 1.0:
+            return
+        lacking = np.full(len(cost), float(deepest))
+        for i, c in cached.items():
+            lacking[i] -= c
+        lacking *= f.per_token
+        lacking *= 1.0 - 1.0 / share
+        cost -= lacking
 
     def _figures(self, model: str, workers: list[WorkerState]) -> _Figures:
         f = self._by_model.get(model)

@@ -1,7 +1,8 @@
 """Stage 2: worker selection. Rank a prepared request's workers (router/scoring.py's cost,
 with no I/O), leaving out those the circuit breaker keeps out, and, once one is chosen, claim
-it: credit it with the request in flight and record the prompt's blocks there speculatively,
-so that a burst of a new shared prompt gathers there instead of scattering."""
+it: credit it with the request in flight (counted under the deepest prefix it shares, which
+prices a hot prefix's copies: SPREAD in router/scoring.py) and record the prompt's blocks there
+speculatively, so that a burst of a new shared prompt gathers there instead of scattering."""
 from __future__ import annotations
 
 import time
@@ -29,5 +30,6 @@ class Selector:
         wall clock) and record the prompt's blocks there speculatively. The blocks the index
         already has it holding are skipped, not looked up again."""
         w = choice.worker
-        w.credit(request_id, prompt_len - choice.cached_tokens, time.time() if sent_at is None else sent_at)
+        w.credit(request_id, prompt_len - choice.cached_tokens, time.time() if sent_at is None else sent_at,
+                 choice.prefix)
         self.scorer.index.speculate(w.id, hashes[choice.cached_tokens // w.lease.block_size:], now)

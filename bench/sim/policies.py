@@ -8,7 +8,8 @@ Credits, first tokens and ends are stamped with simulated time, the clock the si
 workers' reports carry (bench/sim/bus.py).
 
 OraclePolicy sees every simulated worker's exact cache and load at the moment of decision (its
-queue as the exact time until the last queued prompt token is computed) and applies the
+queue as the exact time until the last queued prompt token is computed, and the requests there
+that share the prompt's prefix, for SPREAD) and applies the
 router's own cost formula to them, so the gap between the two is the price of the
 router's delayed, summarised view rather than of a different formula.
 """
@@ -27,7 +28,7 @@ from router.channels import WorkerChannels
 from router.cluster import Cluster
 from router.index import BlockIndex
 from router.prepare import Preparer
-from router.scoring import KV_KNEE, KV_PENALTY_TOKENS, Choice, Scorer, WorkerState
+from router.scoring import KV_KNEE, KV_PENALTY_TOKENS, Choice, Scorer, WorkerState, prefix_key
 from router.selection import Selector
 
 from .bus import MODEL
@@ -36,13 +37,13 @@ from .bus import MODEL
 class RouterPolicy:
     def __init__(self, policy: str, redis_url: str, loop: asyncio.AbstractEventLoop, seed: int,
                  lease_poll_s: float = 0.25, index_max_blocks: int = 1_000_000,
-                 speculative_ttl_s: float = 10.0):
+                 speculative_ttl_s: float = 10.0, spread: bool = True):
         self.name, self.loop, self.lease_poll_s = policy, loop, lease_poll_s
         self.index = BlockIndex(index_max_blocks, speculative_ttl_s)
         self.cluster = Cluster(redis_url, self.index, lease_poll_s=lease_poll_s)
         self.cluster._redis = aioredis.from_url(redis_url)
         self.cluster.connected = True
-        self.scorer = Scorer(policy, self.index, random.Random(seed))
+        self.scorer = Scorer(policy, self.index, random.Random(seed), spread=spread)
         breaker = CircuitBreaker()
         self.prepare = Preparer(self.cluster, WorkerChannels(), breaker)
         self.select = Selector(self.scorer, breaker)
@@ -131,6 +132,8 @@ class OraclePolicy:
 
     def choose(self, req, now: float) -> tuple[int, int, int]:
         states, overlap = [], {}
+        held = {f"sim-{i}": w.cached_prefix_tokens(req) // self.block_size for i, w in enumerate(self.workers)}
+        key = prefix_key(req.hashes, held, len(req.prompt), self.block_size)
         for i, w in enumerate(self.workers):
             st, c = w.stats(), w.cost
             # Exact load and the exact step-time model, where the router has reports and fits; the
@@ -143,9 +146,12 @@ class OraclePolicy:
                              queued, st.kv_usage, st.free_blocks,
                              prefill_tps=1 / c.prefill_token_s, decode_tps=1 / c.decode_seq_s, step_s=c.base_s,
                              max_batched_tokens=w.max_batched_tokens, ts=now)
-            states.append(WorkerState(lease))
-            overlap[lease.worker_id] = w.cached_prefix_tokens(req) // self.block_size
-        best = self.scorer.rank_overlap(MODEL, states, len(req.prompt), overlap, limit=1, now=now)[0]
+            st = WorkerState(lease)
+            if key is not None:       # exact: the requests there now that share the prefix
+                st.prefix_live[key] = sum(1 for r in (*w.running, *w.waiting) if key in r.hashes)
+            states.append(st)
+            overlap[lease.worker_id] = held[lease.worker_id]
+        best = self.scorer.rank_overlap(MODEL, states, len(req.prompt), overlap, limit=1, now=now, prefix=key)[0]
         return int(best.worker.id.rsplit("-", 1)[1]), 0, 0
 
     def on_first_token(self, req, now: float) -> None:

@@ -7,8 +7,8 @@ hot_prompt):
   (turn k+1 is released a think time after turn k finishes, so it is closed-loop);
 - zipf: a large pool of prefixes drawn with Zipf popularity, a few very hot;
 - no_sharing: every prompt unique, where routing can only balance load;
-- hot_prompt: one system prompt for every request, closed-loop: `concurrency` clients, each
-  sending its next request the moment the last one finishes (judged by throughput: the
+- hot_prompt: one system prompt for every request, closed-loop: `concurrency` chat clients,
+  each sending its next turn the moment the last one finishes (judged by throughput: the
   question is whether the one prompt's holder is left to do all the work);
 - many_tenants: as llm-d's shared-prefix benchmark: many tenants, each with its own long system
   prompt, equally popular, their prompts together 3/4 of the fleet's KV caches: they all stay
@@ -111,18 +111,33 @@ def _unique(rng, n, rate_fn):
             for i, t in enumerate(times)]
 
 
-def _hot(rng, n, concurrency, system=1536, suffix=(32, 256), out=(32, 256), ramp_s=1.0):
-    """`concurrency` closed-loop clients over one system prompt: client c's requests are chained
-    (each released when the one before it finishes, think time 0). The clients join one by one
-    over `ramp_s`, as a load generator ramps up (all at once, every first request would find the
-    prompt uncached everywhere, whatever the policy: a prefill shares only blocks already computed)."""
+def _hot(rng, n, concurrency, system=1536, turns=(1, 4), user=(32, 256), out=(32, 256), ramp_s=1.0):
+    """`concurrency` closed-loop chat clients over one system prompt: each client holds
+    conversations of 1-4 turns, one after another, every turn resending the conversation so far
+    and released the moment the one before it finishes (think time 0). The clients join one by
+    one over `ramp_s`, as a load generator ramps up (all at once, every first request would find
+    the prompt uncached everywhere, whatever the policy: a prefill shares only computed blocks)."""
     prompt = _tokens(rng, system)
-    reqs = [SimRequest(f"c{i % concurrency}r{i // concurrency}", ramp_s * i / concurrency,
-                       prompt + _tokens(rng, rng.randint(*suffix)), _tokens(rng, rng.randint(*out)))
-            for i in range(n)]
-    for i, r in enumerate(reqs[concurrency:], concurrency):
-        reqs[i - concurrency].follow_up = r
-    return reqs[:concurrency]
+    chains: list[list[SimRequest]] = [[] for _ in range(concurrency)]
+    made = 0
+    while made < n:
+        c = min(range(concurrency), key=lambda i: len(chains[i]))     # the client with the fewest
+        history = list(prompt)
+        for _ in range(min(rng.randint(*turns), n - made)):
+            history += _tokens(rng, rng.randint(*user))
+            req = SimRequest(f"c{c}r{len(chains[c])}", 0.0, list(history), _tokens(rng, rng.randint(*out)))
+            history += req.output
+            chains[c].append(req)
+            made += 1
+    firsts = []
+    for c, chain in enumerate(chains):
+        if not chain:
+            continue
+        chain[0].arrival = ramp_s * c / concurrency
+        for a, b in zip(chain, chain[1:]):
+            a.follow_up = b
+        firsts.append(chain[0])
+    return firsts
 
 
 def _tenants(rng, num_workers, n, rate_fn, cache_tokens, prefix=4096, suffix=(64, 256), out=(32, 128)):
