@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-seq-us", type=float, default=CostModel.decode_seq_s * 1e6,
                    help="simulated GPU: step time per decoding sequence, us")
     p.add_argument("--concurrency", type=int, default=64, help="hot_prompt: closed-loop clients")
+    p.add_argument("--turns", default="1,4",
+                   help="hot_prompt: least,most turns per conversation (1,1: every request the system prompt "
+                        "and one question)")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per simulated worker")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--publish-interval", type=float, default=0.05, help="simulated s between event pushes")
@@ -123,7 +126,7 @@ def run_one(a, redis_url: str, loop, workload: str, num_workers: int, policy: st
     cost = CostModel(decode_seq_s=a.decode_seq_us * 1e-6)
     rate = lambda prompt, output: a.load * num_workers / cost.request_cost(prompt, output)  # noqa: E731
     firsts = make_workload(workload, num_workers, a.requests_per_worker * num_workers, a.seed, rate,
-                           a.concurrency, a.num_blocks * a.block_size)
+                           a.concurrency, a.num_blocks * a.block_size, a.turns)
     root = namespace_root(MODEL)
     workers = [SimWorker(cfg.num_blocks, cfg.block_size, root, cost, cfg.max_num_seqs, cfg.max_batched_tokens)
                for _ in range(num_workers)]
@@ -228,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"decode-seq-us: must be above 0 (got {a.decode_seq_us})")
     if a.concurrency < 1:
         raise SystemExit(f"concurrency: must be at least 1 (got {a.concurrency})")
+    try:
+        turns = _ints(a.turns)
+    except ValueError:
+        turns = []
+    if len(turns) != 2 or not 1 <= turns[0] <= turns[1]:
+        raise SystemExit(f"turns: must be LEAST,MOST with 1 <= LEAST <= MOST (got {a.turns!r})")
+    a.turns = (turns[0], turns[1])
     print(f"# routing simulator: {' '.join(sys.argv)}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs), python {platform.python_version()}")

@@ -27,8 +27,9 @@ def test_routing_quick_runs_and_prefix_aware_wins_on_shared_prompts(tmp_path):
                            "--plot", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "### shared_prompts" in proc.stdout and "### no_sharing" in proc.stdout
+    assert "### hot_prompt" in proc.stdout and "### many_tenants" in proc.stdout
     results = {(r["workload"], r["policy"]): r for r in json.loads(out.read_text())}
-    assert len(results) == 16
+    assert len(results) == 24
     shared = {p: results["shared_prompts", p] for p in ("round_robin", "prefix_aware", "oracle")}
     # 32 system prompts over 4 small caches: only affinity keeps them resident.
     assert shared["prefix_aware"]["hit_rate"] > 1.5 * shared["round_robin"]["hit_rate"]
@@ -39,6 +40,16 @@ def test_routing_quick_runs_and_prefix_aware_wins_on_shared_prompts(tmp_path):
         assert results["shared_prompts", p]["requests"] == 80
         assert results["shared_prompts", p]["imbalance"] >= 1.0
     assert results["shared_prompts", "prefix_aware"]["decision_cpu_p50_us"] > 0
+    # One system prompt, 64 chat clients: spread over the workers as round robin does, and keeping
+    # each conversation where its history is.
+    hot = {p: results["hot_prompt", p] for p in ("round_robin", "prefix_aware")}
+    assert hot["prefix_aware"]["throughput"] >= 0.95 * hot["round_robin"]["throughput"]
+    assert hot["prefix_aware"]["hit_rate"] > hot["round_robin"]["hit_rate"]
+    assert hot["prefix_aware"]["requests"] == 80 and hot["prefix_aware"]["imbalance"] < 1.5
+    # Tenants' prompts beyond one cache: only affinity keeps them resident, and TTFT follows.
+    tenants = {p: results["many_tenants", p] for p in ("round_robin", "prefix_aware")}
+    assert tenants["prefix_aware"]["hit_rate"] > 2 * tenants["round_robin"]["hit_rate"]
+    assert tenants["prefix_aware"]["ttft_p90"] < 0.6 * tenants["round_robin"]["ttft_p90"]
     for png in ("routing_hit_rate.png", "routing_ttft_p99.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

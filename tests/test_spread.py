@@ -101,16 +101,42 @@ def test_the_share_counts_every_deepest_holder_and_a_partial_holder_pays_for_wha
     idx, h = holding({"a": 20, "b": 20, "c": 8})
     a, b, c, d = worker("a"), worker("b"), worker("c"), worker("d")
     running(a, 6, h[19])
-    running(b, 3, h[19])
+    running(b, 6, h[19], first=6)
     p = prompt(2)
-    u = 9 / 3                                           # 9 running over 2 holders and the copy to come
-    s = scorer(idx, balance=100.0)                      # no excess: the saving terms alone
-    cost = {x.worker.id: x.cost for x in s.rank("m", [a, b, c, d], len(p), hashes(p), now=0.0)}
-    pc, pd = per_token(0), per_token(0)
-    assert cost["c"] == pytest.approx(c.load_cost() + (len(p) - 128) * pc - (1 - 1 / u) * (320 - 128) * pc)
-    assert cost["d"] == pytest.approx(d.load_cost() + len(p) * pd - (1 - 1 / u) * 320 * pd)
-    assert cost["a"] == pytest.approx(a.load_cost() + 5 * per_token(6))        # holders: no charge
-    assert cost["b"] == pytest.approx(b.load_cost() + 5 * per_token(3))
+    u = 12 / 3                                          # 12 running over 2 holders and the copy to come
+    loads = {w.id: w.load_cost() for w in (a, b, c, d)}
+    mean = sum(loads.values()) / 4
+    assert loads["a"] == loads["b"] > 1.5 * mean        # both holders past the bound
+    cost = {x.worker.id: x.cost for x in scorer(idx).rank("m", [a, b, c, d], len(p), hashes(p), now=0.0)}
+    pc = per_token(0)
+    assert cost["c"] == pytest.approx(loads["c"] + (len(p) - 128) * pc - (1 - 1 / u) * (320 - 128) * pc)
+    assert cost["d"] == pytest.approx(loads["d"] + len(p) * pc - (1 - 1 / u) * 320 * pc)
+    # Holders pay their excess, as ever, and no share.
+    assert cost["a"] == pytest.approx(2 * loads["a"] - 1.5 * mean + 5 * per_token(6))
+
+
+def test_no_copy_while_a_deepest_holder_has_room():
+    idx, h = holding({"a": 20, "b": 20})
+    p = prompt(2)
+    a, b, c = worker("a"), worker("b"), worker("c")
+    running(a, 8, h[19])
+    running(b, 2, h[19], first=8)                       # u = 10 / 3, but b is under the bound
+    loads = [w.load_cost() for w in (a, b, c)]
+    assert loads[1] <= 1.5 * sum(loads) / 3 < loads[0]
+    spread = scorer(idx).rank("m", [a, b, c], len(p), hashes(p), now=0.0)
+    plain = scorer(idx, spread=False).rank("m", [a, b, c], len(p), hashes(p), now=0.0)
+    assert [(x.worker.id, x.cost) for x in spread] == [(x.worker.id, x.cost) for x in plain]
+    assert spread[0].worker is b
+    # One holder alone, near the mean: b's 2 running are hot enough (u = 2 / 2 = 1 ... 3 / 2), but
+    # its load is under the bound of a fleet as busy as it is.
+    idx1, _ = holding({"b": 20})
+    b2, others = worker("b"), [worker(w) for w in "xy"]
+    running(b2, 3, h[19])
+    for w in others:
+        running(w, 3, b"other prefix")
+    spread = scorer(idx1).rank("m", [b2] + others, len(p), hashes(p), now=0.0)
+    plain = scorer(idx1, spread=False).rank("m", [b2] + others, len(p), hashes(p), now=0.0)
+    assert [x.cost for x in spread] == [x.cost for x in plain]
 
 
 def test_only_prefix_aware_spreads():

@@ -57,14 +57,15 @@ def _zipf_weights(n: int, s: float) -> list[float]:
 
 
 def make_workload(name: str, num_workers: int, num_requests: int, seed: int,
-                  rate_fn, concurrency: int = 64, cache_tokens: int = 32768) -> list[SimRequest]:
+                  rate_fn, concurrency: int = 64, cache_tokens: int = 32768,
+                  turns: tuple[int, int] = (1, 4)) -> list[SimRequest]:
     """First requests in arrival order. `rate_fn(mean_prompt, mean_output)` gives the
     cluster's request rate for requests of that mean size (the caller's load target);
-    hot_prompt ignores it and runs `concurrency` clients instead; many_tenants sizes its tenants
-    by `cache_tokens`, one worker's KV cache."""
+    hot_prompt ignores it and runs `concurrency` clients instead, with conversations of `turns`
+    (least, most) turns; many_tenants sizes its tenants by `cache_tokens`, one worker's KV cache."""
     rng = random.Random(seed)
     if name == "hot_prompt":
-        return _hot(rng, num_requests, concurrency)
+        return _hot(rng, num_requests, concurrency, turns=turns)
     if name == "many_tenants":
         return _tenants(rng, num_workers, num_requests, rate_fn, cache_tokens)
     if name == "shared_prompts":
@@ -113,7 +114,7 @@ def _unique(rng, n, rate_fn):
 
 def _hot(rng, n, concurrency, system=1536, turns=(1, 4), user=(32, 256), out=(32, 256), ramp_s=1.0):
     """`concurrency` closed-loop chat clients over one system prompt: each client holds
-    conversations of 1-4 turns, one after another, every turn resending the conversation so far
+    conversations of `turns` turns (1-4), one after another, every turn resending the conversation so far
     and released the moment the one before it finishes (think time 0). The clients join one by
     one over `ramp_s`, as a load generator ramps up (all at once, every first request would find
     the prompt uncached everywhere, whatever the policy: a prefill shares only computed blocks)."""
