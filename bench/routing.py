@@ -182,6 +182,16 @@ def check_targets(results: list[Result]) -> list[str]:
             ok = r.ttft_p99 <= 1.5 * o.ttft_p99
             lines.append(f"{'met' if ok else 'MISSED'}: no_sharing, {n} workers: TTFT p99 "
                          f"{r.ttft_p99 / o.ttft_p99:.2f}x the oracle's (<= 1.5)")
+        rr = by.get((wl, n, "round_robin"))
+        if wl == "hot_prompt" and rr:
+            ok = r.throughput >= 0.95 * rr.throughput and r.hit_rate > rr.hit_rate
+            lines.append(f"{'met' if ok else 'MISSED'}: hot_prompt, {n} workers: throughput "
+                         f"{r.throughput / rr.throughput:.3f}x round robin's (>= 0.95), hit rate {r.hit_rate:.3f} "
+                         f"against {rr.hit_rate:.3f} (higher)")
+        if wl == "many_tenants" and rr:
+            ok = rr.ttft_p90 >= 3 * r.ttft_p90
+            lines.append(f"{'met' if ok else 'MISSED'}: many_tenants, {n} workers: TTFT p90 "
+                         f"{rr.ttft_p90 / r.ttft_p90:.2f}x better than round robin's (>= 3)")
         if n == 32:
             lines.append(f"{'met' if r.decision_cpu_p99_us <= 1000 else 'MISSED'}: {wl}, 32 workers: decision "
                          f"p99 {r.decision_cpu_p99_us:.0f} us CPU, {r.decision_p99_us:.0f} us wall (<= 1000)")
