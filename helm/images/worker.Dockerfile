@@ -30,13 +30,12 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/tmp
 
-# Triton compiles a small C launcher the first time a kernel runs on a GPU, so a CUDA runtime needs
-# a C compiler; CPU workers run no Triton kernels.
+# Both need a C compiler at run time: Triton compiles a small C launcher the first time a kernel
+# runs on a GPU, and a CPU worker builds its attention kernel (kernels/cpu_attention.py, for the
+# CPU it runs on) at start; without one it serves on the slower torch reference.
 RUN case "$DEVICE" in cuda|cpu) ;; *) echo "DEVICE must be cuda or cpu, not '$DEVICE'" >&2; exit 1 ;; esac \
- && if [ "$DEVICE" = cuda ]; then \
-        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-        && rm -rf /var/lib/apt/lists/*; \
-    fi \
+ && apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/* \
  && groupadd --gid 10001 pagoda \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pagoda
 
