@@ -22,6 +22,27 @@ def parse_bytes(value: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def parse_lora_modules(items) -> dict[str, str]:
+    """--lora-modules name=path ... (or a dict) -> {name: path}; refuses a malformed or repeated name."""
+    if not items:
+        return {}
+    if isinstance(items, dict):
+        pairs = list(items.items())
+    else:
+        pairs = []
+        for item in items:
+            name, sep, path = str(item).partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules: expected name=path (got {item!r})")
+            pairs.append((name.strip(), path.strip()))
+    out: dict[str, str] = {}
+    for name, path in pairs:
+        if name in out:
+            raise ValueError(f"lora_modules: adapter name {name!r} is given twice")
+        out[name] = path
+    return out
+
+
 @dataclass
 class EngineConfig:
     model: str                                  # Hugging Face checkpoint directory or hub id
@@ -55,6 +76,12 @@ class EngineConfig:
     # vLLM's --speculative-config JSON (text or dict): n-gram lookup or a draft model
     # (gpu_worker/spec_config.py); parsed into a SpeculativeConfig here.
     speculative_config: Any = None
+    # Multi-LoRA (gpu_worker/lora.py), vLLM's flags: adapters in PEFT format, at most max_loras
+    # of them on the device at once, ranks up to max_lora_rank.
+    enable_lora: bool = False
+    lora_modules: Any = None                    # {name: path}, or ["name=path", ...]
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         if self.served_model_name is None:
@@ -88,9 +115,27 @@ class EngineConfig:
                 raise ValueError("async_scheduling: speculative_config needs it off or auto")
             if self.tensor_parallel_size != 1:
                 raise ValueError("speculative_config: not with tensor_parallel_size > 1 (yet)")
+        self._check_lora()
         env = os.environ.get("PAGODA_ATTENTION")
         if env:
             self.attention_backend = env
+
+    def _check_lora(self) -> None:
+        self.lora_modules = parse_lora_modules(self.lora_modules)
+        for name, value in (("max_loras", self.max_loras), ("max_lora_rank", self.max_lora_rank)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer (got {value!r})")
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("lora_modules: adapters need enable_lora (--enable-lora)")
+            return
+        if self.tensor_parallel_size != 1:
+            raise ValueError("enable_lora: not with tensor_parallel_size > 1 (yet)")
+        if self.served_model_name in self.lora_modules:
+            raise ValueError(f"lora_modules: adapter name {self.served_model_name!r} is the base model's name")
+        for name, path in self.lora_modules.items():
+            if not os.path.isdir(path):
+                raise ValueError(f"lora_modules: adapter {name!r}: {path} is not a directory")
 
     @property
     def speculative(self) -> Optional[SpeculativeConfig]:

@@ -59,7 +59,8 @@ class LLMEngine:
         spec = config.speculative_config
         drafter = Drafter(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.scheduling_policy, self.max_model_len, drafter)
+                                   config.scheduling_policy, self.max_model_len, drafter,
+                                   config.max_loras if config.enable_lora else 0)
         self.detokenizers: dict[str, Detokenizer] = {}
         self.children: dict[str, list[Request]] = {}    # caller id -> its live sequences
         self.pending: list[StreamDelta] = []            # abort notices for the next step
@@ -105,7 +106,7 @@ class LLMEngine:
         if not isinstance(cache_salt, str):
             raise ValueError("cache_salt: must be a string")
         if adapter:
-            raise ValueError(f"adapter: this worker serves no adapters (got {adapter!r})")
+            self._check_adapter(adapter)
         # The last sampled token is never written to the cache, hence the - 1.
         final_len = min(len(ids) + params.max_tokens, max(self.max_model_len, len(ids) + 1)) - 1
         if cdiv(len(ids), self.block_size) > self.num_blocks:
@@ -114,6 +115,16 @@ class LLMEngine:
         if cdiv(final_len, self.block_size) > self.num_blocks:
             raise ValueError(f"max_tokens: prompt plus max_tokens needs {cdiv(final_len, self.block_size)} "
                              f"KV blocks but the pool has {self.num_blocks}")
+
+    def _check_adapter(self, adapter: str) -> None:
+        lora = self.runner.lora
+        if not isinstance(adapter, str):
+            raise ValueError("adapter: must be a string")
+        if lora is None:
+            raise ValueError(f"adapter: this worker serves no adapters (got {adapter!r})")
+        if adapter not in lora.adapters:
+            known = ", ".join(sorted(lora.adapters)) or "none"
+            raise ValueError(f"adapter: unknown LoRA adapter {adapter!r} (loaded: {known})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str = "", adapter: str = "") -> None:
@@ -126,6 +137,7 @@ class LLMEngine:
             # state for the previous request of that name.
             req = Request(f"{request_id}#{i}.{serial}", prompt_token_ids, params, self.block_size,
                           root, priority=priority, parent_id=request_id, index=i)
+            req.lora = self.runner.lora.adapters[adapter] if adapter and self.runner.lora is not None else None
             if params.seed is not None:
                 req.generator = self._generator(params.seed + i)
             self.detokenizers[req.req_id] = Detokenizer(
@@ -136,6 +148,31 @@ class LLMEngine:
         # Children go in in order: the first one's prompt blocks become cache hits for the rest.
         for req in seqs:
             self.scheduler.add_request(req)
+
+    # ---- LoRA adapters (the engine's thread) ---------------------------------------------
+
+    def lora_adapters(self) -> list[str]:
+        """Names of the adapters requests may use, in load order."""
+        return list(self.runner.lora.adapters) if self.runner.lora is not None else []
+
+    def load_lora_adapter(self, name: str, path: str = "", adapter=None) -> None:
+        """Register an adapter (read from `path`, or already read: `adapter`, a LoRAAdapter);
+        it reaches a device slot with its first request."""
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError("lora_name: this worker runs without --enable-lora")
+        if not isinstance(name, str) or not name or name == self.model_name:
+            raise ValueError(f"lora_name: must be a non-empty name other than the base model's (got {name!r})")
+        if adapter is None:
+            lora.load(name, path)
+        else:
+            lora.add(adapter)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError("lora_name: this worker runs without --enable-lora")
+        lora.remove(name)
 
     def _generator(self, seed: int):
         import torch

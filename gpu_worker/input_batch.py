@@ -52,6 +52,8 @@ class StepInputs:
     # [B]: drafts each sampling request verifies (speculative decoding; its logits rows are
     # 1 + that many, in order); None when no request has any.
     num_drafts: Optional[np.ndarray] = None
+    # [T]: each token row's LoRA adapter slot (-1: none); None when no row has an adapter.
+    lora_slots: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -95,6 +97,11 @@ class InputBatch:
         self.generators: dict[int, torch.Generator] = {}
         self.grammars: dict[int, Any] = {}              # row -> structured_output.GrammarState
         self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}
+        # Multi-LoRA: each row's adapter slot (-1: base model), from lora_slot_for(adapter, the
+        # slots rows already use) when the row is added; None: no adapters.
+        self.lora_slot = np.full(r, -1, np.int64)
+        self.lora_slot_for: Any = None
+        self.lora_rows = 0            # rows with an adapter
         self._alloc_buffers(max_num_tokens, max_drafts)
 
     def _alloc_buffers(self, max_tokens: int, max_drafts: int = 0) -> None:
@@ -171,6 +178,12 @@ class InputBatch:
         self.num_blocks[row] = nb
         self.pending_src[row] = -1
         self.num_prompt_logprobs[row] = new.prompt_logprobs
+        self.lora_slot[row] = -1
+        if new.lora is not None:
+            if self.lora_slot_for is None:
+                raise ValueError("adapter: this runner serves no adapters")
+            self.lora_slot[row] = self.lora_slot_for(new.lora, self.lora_slot[:row])
+            self.lora_rows += 1
         p = new.sampling_params
         if p is None:       # a profiling row: greedy, nothing else
             self.params[row] = (0.0, 1.0, self.vocab_size, 0.0, 1.0, 0.0, 0.0)
@@ -198,6 +211,8 @@ class InputBatch:
         if row is None:
             return
         last = self.num_reqs - 1
+        if self.lora_slot[row] >= 0:
+            self.lora_rows -= 1
         extras: tuple[dict[int, Any], ...] = (self.generators, self.grammars, self.logit_bias)
         for extra in extras:
             extra.pop(row, None)
@@ -210,7 +225,7 @@ class InputBatch:
             self.block_table[row, :nb] = self.block_table[last, :nb]
             for a in (self.num_tokens, self.num_computed, self.num_prompt, self.num_blocks, self.pending_src,
                       self.pending_pos, self.params, self.min_tokens, self.max_tokens, self.num_logprobs,
-                      self.num_prompt_logprobs, self.stop_ids):
+                      self.num_prompt_logprobs, self.stop_ids, self.lora_slot):
                 a[row] = a[last]
             for extra in extras:
                 if last in extra:
@@ -290,7 +305,8 @@ class InputBatch:
         return StepInputs(d64[o_ids:o_ids + t], d64[o_pos:o_pos + t], meta, d64[o_lg:o_lg + nl],
                           rows[sample_seq], [scheduled[i].req_id for i in sample_seq],
                           (d64[o_fd:o_fd + f], d64[o_fs:o_fs + f]) if f else None, scores,
-                          drafts[sample_seq] if drafts is not None else None)
+                          drafts[sample_seq] if drafts is not None else None,
+                          self.lora_slot[row_of_tok] if self.lora_rows else None)
 
     def _prompt_scores(self, scheduled: list[ScheduledRequest], rows: np.ndarray, start: np.ndarray,
                        n: np.ndarray, cu: np.ndarray) -> Optional[PromptScores]:

@@ -19,9 +19,11 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in the order of `prompts`."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of `prompts`. lora_request: an
+        adapter name, or an object with lora_name (and lora_path, loaded on first use, as
+        vLLM's LoRARequest), or a list of those per prompt (None: the base model)."""
         batch: list = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) \
             else list(prompts)
         if sampling_params is None:
@@ -30,14 +32,18 @@ class LLM:
                                         else [sampling_params] * len(batch))  # type: ignore[list-item]
         if len(params) != len(batch):
             raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
+        adapters = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(batch)
+        if len(adapters) != len(batch):
+            raise ValueError(f"lora_request: {len(adapters)} given for {len(batch)} prompts")
+        names = [self._adapter_name(a) for a in adapters]
         outputs: dict[str, RequestOutput] = {}
         added = []
         try:
-            for prompt, p in zip(batch, params):
+            for prompt, p, adapter in zip(batch, params, names):
                 text = prompt if isinstance(prompt, str) else None
                 ids: list[int] = self.tokenizer.encode_text(prompt) if text is not None else list(prompt)
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p)
+                self.engine.add_request(rid, ids, p, adapter=adapter)
                 added.append(rid)
                 outputs[rid] = RequestOutput(
                     request_id=rid, prompt=text, prompt_token_ids=ids, finished=False,
@@ -52,6 +58,15 @@ class LLM:
                 self.engine.step()
             raise
         return [outputs[r] for r in added]
+
+    def _adapter_name(self, request) -> str:
+        if request is None or isinstance(request, str):
+            return request or ""
+        name = request.lora_name
+        path = getattr(request, "lora_path", None)
+        if path and name not in self.engine.lora_adapters():
+            self.engine.load_lora_adapter(name, path)
+        return name
 
     def _run(self, outputs: dict[str, RequestOutput]) -> None:
         left = sum(len(o.outputs) for o in outputs.values())

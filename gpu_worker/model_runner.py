@@ -24,6 +24,7 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
 from gpu_worker.input_batch import InputBatch, PromptScores, StepInputs
 from gpu_worker.loader import load_hf_config, load_model, resolve_dtype, resolve_model
+from gpu_worker.lora import LoRAManager
 from gpu_worker.memory import cuda_graph_bytes, kv_budget_bytes, sampler_workspace_bytes
 from gpu_worker.models.llama import use_triton_ops
 from gpu_worker.models.parallel import Shard, check_tensor_parallel
@@ -100,6 +101,7 @@ class ModelRunner:
         self.write_fn, self.attend_fn = select_backend(config.attention_backend, self.device)
         self.backend = resolve_backend(config.attention_backend, self.device)
         use_triton_ops(self.model, self.backend == "triton")
+        self.lora = self._lora_manager() if config.enable_lora else None
         attn = self.model.attention_layers()[0]
         self.num_layers = len(self.model.attention_layers())
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -112,6 +114,8 @@ class ModelRunner:
                                 config.token_budget(self.max_model_len), self.block_size,
                                 self.vocab_size, self.eos_token_ids, self.device,
                                 spec.num_speculative_tokens if spec is not None else 0)
+        if self.lora is not None:
+            self.batch.lora_slot_for = self.lora.slot_for
         # Speculative decoding with a draft model: its KV pool shares the target's block ids.
         self.draft: DraftModel | None = None
         if spec is not None and spec.method == "draft_model":
@@ -120,6 +124,19 @@ class ModelRunner:
         # Test hook: every step also sleeps this long (the GIL is released, as in a real
         # forward), so tests can show that the event loop never waits on a step.
         self.step_delay_s = float(os.environ.get("PAGODA_TEST_STEP_DELAY_S", "0") or 0)
+
+    def _lora_manager(self) -> LoRAManager:
+        """Device slots for --max-loras adapters, and the --lora-modules adapters registered."""
+        from gpu_worker.models.llama import LlamaForCausalLM
+        if not isinstance(self.model, LlamaForCausalLM):
+            raise ValueError(f"enable_lora: needs a native Llama-family model; {type(self.model).__name__} "
+                             "is served through transformers")
+        c = self.config
+        manager = LoRAManager(self.model, self.hf_config, c.max_loras, c.max_lora_rank, self.device, self.dtype,
+                              "triton" if self.backend == "triton" else "torch")
+        for name, path in c.lora_modules.items():
+            manager.load(name, path)
+        return manager
 
     def _eos_token_ids(self) -> list[int]:
         ids: list[int] = []
@@ -254,8 +271,10 @@ class ModelRunner:
 
     def uses_graphs(self) -> bool:
         # Not with tensor parallelism (yet): every rank would have to capture its collectives too.
+        # Nor with LoRA: a step's adapter grouping is host data that a replay would not see.
         return (self.device.type == "cuda" and self.backend == "triton" and not self.config.enforce_eager
-                and self.shard.size == 1 and getattr(self.model, "cuda_graphs_ok", True))
+                and self.shard.size == 1 and getattr(self.model, "cuda_graphs_ok", True)
+                and not self.config.enable_lora)
 
     def warmup_batch(self, step: WarmupStep) -> SchedulerOutput:
         """A dummy step of this shape over the pool's first blocks (shared by every sequence;
@@ -297,6 +316,8 @@ class ModelRunner:
                 raise RuntimeError("a step with tokens in flight needs the previous draw on this rank")
             dst, src = inputs.in_flight
             inputs.input_ids[dst] = self.last_draw[src]
+        if self.lora is not None:
+            self.lora.set_step(inputs.lora_slots, self._upload_async)
         indices = inputs.logits_indices
         if inputs.prompt_scores is not None:     # their logits come after the sampling rows'
             indices = torch.cat([indices, inputs.prompt_scores.token_rows])
@@ -413,6 +434,9 @@ class ModelRunner:
         req_ids = [inputs.req_ids[i] for i in plain]
         positions = self.batch.mark_sampled(inputs.sample_rows[plain]) if len(plain) else np.zeros(0, np.int64)
         return InFlight(req_ids, positions, sampled, prompt, [inputs.req_ids[i] for i in spec], verified)
+
+    def _upload_async(self, a: np.ndarray) -> torch.Tensor:
+        return self.batch._upload(a)
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)

@@ -25,6 +25,7 @@ class NewRequest:
     generator: Optional[torch.Generator] = None   # per-request, when a seed is given
     grammar: Any = None           # structured_output.GrammarState, when the output is constrained
     prompt_logprobs: int = -1     # top-k per prompt token to score; -1: none (already scored, or not asked)
+    lora: Any = None              # the gpu_worker.lora.LoRAAdapter its rows run with; None: the base model
 
 
 @dataclass(slots=True)

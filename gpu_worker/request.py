@@ -63,6 +63,7 @@ class Request:
         # its next step waits until this one's token is back (async scheduling).
         self.waits_for_its_token = self.grammar is not None
         self.block_size = block_size
+        self.lora: Optional[object] = None       # its gpu_worker.lora.LoRAAdapter (engine.add_request)
         self.hash_root = hash_root
         self.block_hashes: list[bytes] = block_hashes(self.all_token_ids, block_size, hash_root)
 

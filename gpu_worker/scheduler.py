@@ -64,8 +64,12 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", max_model_len: int | None = None, drafter: Drafter | None = None):
+                 policy: str = "fcfs", max_model_len: int | None = None, drafter: Drafter | None = None,
+                 max_loras: int = 0):
         self.kv = kv
+        # Multi-LoRA: at most this many distinct adapters hold runner rows at once (the device
+        # has that many slots); 0: no adapters.
+        self.max_loras = max_loras
         # Speculative decoding: a decoding request may compute drafted tokens after its own.
         self.drafter = drafter
         self.drafts: dict[str, list[int]] = {}      # this step's drafts, per request
@@ -131,10 +135,16 @@ class Scheduler:
         return self._output(chunks)
 
     def _admit(self, budget: int, chunks: dict[str, int]) -> int:
+        adapters: set | None = None
         while len(self.waiting) and budget > 0:
             req = self.waiting.peek()
             if req.num_output_placeholders:
                 break   # preempted with its token still in flight: back once it has landed
+            if req.lora is not None and self.max_loras:
+                if adapters is None:
+                    adapters = self._adapters_in_batch()
+                if req.lora not in adapters and len(adapters) >= self.max_loras:
+                    break   # every adapter slot is taken by running requests: wait for one to free
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             if len(self.running) >= self.max_num_seqs or self.kv.allocate_slots(req, n, hits) is None:
@@ -156,7 +166,16 @@ class Scheduler:
             self.running.append(req)
             chunks[req.req_id] = n
             budget -= n
+            if adapters is not None and req.lora is not None:
+                adapters.add(req.lora)
         return budget
+
+    def _adapters_in_batch(self) -> set:
+        """Adapters of the requests that hold runner rows: running ones, and preempted ones whose
+        token is still in flight."""
+        held = {r.lora for r in self.running if r.lora is not None}
+        held |= {r.lora for r in self.waiting if r.lora is not None and r.num_output_placeholders}
+        return held
 
     def _ends_in_flight(self, req: Request) -> bool:
         """The token in flight reaches max_tokens or max_model_len (input_batch's LENGTH check):
@@ -205,7 +224,8 @@ class Scheduler:
             if sent is None:
                 new.append(NewRequest(req_id, list(req.all_token_ids), prompt, req.params,
                                       [b.block_id for b in blocks], req.generator, req.grammar,
-                                      (req.params.prompt_logprobs or 0) if req.prompt_logprobs_pending() else -1))
+                                      (req.params.prompt_logprobs or 0) if req.prompt_logprobs_pending() else -1,
+                                      req.lora))
                 sent = len(blocks)
             if len(blocks) > sent:
                 added = [b.block_id for b in blocks[sent:]]

@@ -351,6 +351,42 @@ def make_tiny_model(path: str, family: str = "llama", seed: int = 0, vocab_size:
     return path
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_tiny_lora(path: str, base: str, seed: int = 0, rank: int = 8, alpha: float = 16.0,
+                   targets: tuple[str, ...] = LORA_TARGETS, use_rslora: bool = False) -> str:
+    """Write a random PEFT LoRA adapter for the checkpoint in `base` into `path` (created):
+    adapter_config.json and adapter_model.safetensors under PEFT's names. A and B are both drawn
+    non-zero (PEFT starts B at zero, which would change nothing) and large enough that the
+    adapter visibly changes greedy outputs while logits stay peaked."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    with open(os.path.join(base, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    rng = np.random.default_rng(1000 + seed)
+    w = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for t in targets:
+            fan_in, fan_out = shapes[t]
+            part = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{i}.{part}.{t}"
+            w[f"{key}.lora_A.weight"] = (0.1 * rng.standard_normal((rank, fan_in))).astype(np.float32)
+            w[f"{key}.lora_B.weight"] = (0.1 * rng.standard_normal((fan_out, rank))).astype(np.float32)
+    os.makedirs(path, exist_ok=True)
+    save_file(w, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    _write_json(os.path.join(path, "adapter_config.json"), {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
+        "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": list(targets), "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": use_rslora, "modules_to_save": None})
+    return path
+
+
 def _write_json(path: str, obj: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)

@@ -22,6 +22,7 @@ Attention features, the same keywords for every backend (HF semantics, so that p
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -275,3 +276,69 @@ def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: t
         return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
 
     return rotate(q), rotate(k)
+
+
+# ---- batched LoRA (several adapters in one batch) -------------------------------------------
+#
+# Every token row t of a step names an adapter slot (slots[t], -1: none). An adapter slot s
+# holds per projection A [S, R, in] and B [S, out, R], B already multiplied by the adapter's
+# scaling, ranks below R zero-padded (exact zeros: they add nothing). The delta of row t is
+# (x[t] @ A[s]^T) @ B[s]^T: "shrink" to rank R in fp32, then "expand" into the projection's
+# output columns [offset, offset + out). Tokens are grouped by slot (LoRASegments), so each
+# adapter is one matmul over its rows (segment matmuls, as Punica's SGMV), on CPU and in the
+# Triton kernels (kernels/triton_lora.py) alike.
+
+
+@dataclass
+class LoRASegments:
+    """A step's token rows grouped by adapter slot; rows without an adapter are left out."""
+    order: torch.Tensor         # [M] int64: token rows with a slot, grouped by slot
+    seg_start: torch.Tensor     # [G + 1] int32: group g is order[seg_start[g]:seg_start[g + 1]]
+    seg_slot: torch.Tensor      # [G] int32: its slot
+    host_start: list[int]       # the same two, on the host (the torch path loops over groups)
+    host_slot: list[int]
+    max_seg_len: int
+
+
+def lora_segments(token_slots: np.ndarray, upload=torch.from_numpy) -> LoRASegments | None:
+    """Group token rows by slot (stable: rows keep their order inside a group); None when no
+    row has an adapter, so a base-only step does no LoRA work at all. upload: host array ->
+    tensor on the step's device."""
+    mapped = np.flatnonzero(token_slots >= 0)
+    if not len(mapped):
+        return None
+    order = mapped[np.argsort(token_slots[mapped], kind="stable")]
+    slots, starts, counts = np.unique(token_slots[order], return_index=True, return_counts=True)
+    seg_start = np.append(starts, len(order)).astype(np.int32)
+    return LoRASegments(upload(order), upload(seg_start), upload(slots.astype(np.int32)), seg_start.tolist(),
+                        slots.tolist(), int(counts.max()))
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, seg: LoRASegments) -> torch.Tensor:
+    """h [T, R] fp32: x[t] @ A[slot(t)]^T per row, one matmul per slot; zero where no adapter."""
+    h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    for g, slot in enumerate(seg.host_slot):
+        rows = seg.order[seg.host_start[g]:seg.host_start[g + 1]]
+        h[rows] = x[rows].float() @ a[slot].float().t()
+    return h
+
+
+def lora_expand_ref(h: torch.Tensor, b: torch.Tensor, seg: LoRASegments, y: torch.Tensor,
+                    offset: int = 0) -> None:
+    """y[t, offset:offset + out] += h[t] @ B[slot(t)]^T, in place, rows with an adapter only."""
+    n = b.shape[1]
+    for g, slot in enumerate(seg.host_slot):
+        rows = seg.order[seg.host_start[g]:seg.host_start[g + 1]]
+        delta = (h[rows] @ b[slot].float().t()).to(y.dtype)
+        y[rows, offset:offset + n] += delta
+
+
+def lora_gather_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor
+                    ) -> torch.Tensor:
+    """The delta [T, out] by gathering every row's own A and B (batched matvecs): the oracle the
+    segment path and the Triton kernels are tested against. fp32."""
+    use = token_slots >= 0
+    s = token_slots.clamp(min=0).long()
+    h = torch.einsum("ti,tri->tr", x.float(), a[s].float())
+    out = torch.einsum("tr,tor->to", h, b[s].float())
+    return out * use[:, None]

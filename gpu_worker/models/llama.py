@@ -148,17 +148,25 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                                    sliding_window=layer_sliding_window(cfg, layer))
+        # Multi-LoRA (gpu_worker.lora.LoRAManager sets them): add the step's adapter deltas.
+        self.lora_qkv = self.lora_o = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.lora_qkv is not None:
+            self.lora_qkv(x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.attn(q, k, v, meta).reshape(-1, self.q_size)
+        y = self.o_proj(out)
+        if self.lora_o is not None:
+            self.lora_o(out, y)
+        return y
 
 
 class MLP(nn.Module):
@@ -170,10 +178,18 @@ class MLP(nn.Module):
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.lora_gate_up = self.lora_down = None      # as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.lora_gate_up is not None:
+            self.lora_gate_up(x, gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        act = F.silu(gate) * up
+        y = self.down_proj(act)
+        if self.lora_down is not None:
+            self.lora_down(act, y)
+        return y
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,250 @@
+"""Multi-LoRA: the batched ops against their oracle, PEFT loading and its refusals, device slots
+(LRU, no stale weights), and greedy parity with the PEFT-merged checkpoint, several adapters and
+the base model in one batch."""
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.config import EngineConfig
+from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.tiny_model import make_tiny_lora
+from kernels.reference import lora_expand_ref, lora_gather_ref, lora_segments, lora_shrink_ref
+
+PROMPTS = [[1, 17, 29, 41, 53, 67, 71, 83, 97, 101, 113],
+           [1, 5, 9, 200, 300, 400, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
+           [1, 700, 650, 600, 550, 7],
+           [1, 42, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def merge_lora(base: str, adapter: str, out: str) -> str:
+    """The PEFT-merged checkpoint, W += scaling * B @ A, computed here in float64 (the oracle)."""
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(base, out)
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        conf = json.load(f)
+    r = conf["r"]
+    scaling = conf["lora_alpha"] / (math.sqrt(r) if conf.get("use_rslora") else r)
+    weights = load_file(os.path.join(base, "model.safetensors"))
+    lora = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    for key, a in lora.items():
+        if ".lora_A." not in key:
+            continue
+        b = lora[key.replace(".lora_A.", ".lora_B.")]
+        target = key.replace("base_model.model.", "").replace(".lora_A.weight", ".weight")
+        w = weights[target].astype(np.float64) + scaling * (b.astype(np.float64) @ a.astype(np.float64))
+        weights[target] = w.astype(np.float32)
+    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    """Two adapters of the tiny Llama (all seven projections rank 8; q/v/down only, rank 4) and
+    their merged checkpoints."""
+    root = tmp_path_factory.mktemp("lora")
+    a = make_tiny_lora(str(root / "a"), tiny_model, seed=1, rank=8, alpha=16)
+    b = make_tiny_lora(str(root / "b"), tiny_model, seed=2, rank=4, alpha=4, targets=("q_proj", "v_proj", "down_proj"),
+                       use_rslora=True)
+    return {"a": a, "b": b, "merged_a": merge_lora(tiny_model, a, str(root / "merged_a")),
+            "merged_b": merge_lora(tiny_model, b, str(root / "merged_b"))}
+
+
+def greedy(llm, prompts, lora=None):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, lora_request=lora)]
+
+
+# ---- the batched ops ---------------------------------------------------------------------------
+
+def test_segment_ops_equal_the_gather_oracle():
+    g = torch.Generator().manual_seed(0)
+    t, fan_in, fan_out, slots, rank = 13, 24, 20, 3, 5
+    x = torch.randn(t, fan_in, generator=g)
+    a = torch.randn(slots, rank, fan_in, generator=g)
+    b = torch.randn(slots, fan_out, rank, generator=g)
+    token_slots = np.array([2, -1, 0, 0, 2, 1, -1, 2, 0, 1, 1, -1, 2])
+    seg = lora_segments(token_slots)
+    assert seg is not None and seg.host_slot == [0, 1, 2] and seg.max_seg_len == 4
+    base = torch.randn(t, 7 + fan_out + 3, generator=g)
+    y = base.clone()
+    lora_expand_ref(lora_shrink_ref(x, a, seg), b, seg, y, offset=7)
+    want = lora_gather_ref(x, a, b, torch.from_numpy(token_slots))
+    torch.testing.assert_close(y[:, 7:7 + fan_out] - base[:, 7:7 + fan_out], want, rtol=1e-5, atol=1e-5)
+    # Columns outside the slice and rows without an adapter are untouched, bit for bit.
+    assert torch.equal(y[:, :7], base[:, :7]) and torch.equal(y[:, 7 + fan_out:], base[:, 7 + fan_out:])
+    assert torch.equal(y[token_slots < 0], base[token_slots < 0])
+
+
+def test_no_adapter_rows_means_no_segments():
+    assert lora_segments(np.array([-1, -1, -1])) is None
+
+
+# ---- parity with the merged model --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lora_llm(tiny_model, adapters):
+    from gpu_worker.llm import LLM
+    return LLM(tiny_model, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8,
+               lora_modules=[f"a={adapters['a']}", f"b={adapters['b']}"])
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model, adapters):
+    """Greedy outputs of the base model and of each merged checkpoint, one engine each."""
+    from gpu_worker.llm import LLM
+    out = {}
+    for key, path in (("", tiny_model), ("a", adapters["merged_a"]), ("b", adapters["merged_b"])):
+        out[key] = greedy(LLM(path, device="cpu"), PROMPTS)
+    return out
+
+
+def test_adapters_change_the_output(references):
+    # Else parity would prove nothing.
+    assert references["a"] != references[""] and references["b"] != references[""]
+    assert references["a"] != references["b"]
+
+
+def test_two_adapters_and_base_in_one_batch_equal_the_merged_models(lora_llm, references, no_block_leaks):
+    mix = ["a", None, "b", "a"]
+    got = greedy(lora_llm, PROMPTS, mix)
+    want = [references[m or ""][i] for i, m in enumerate(mix)]
+    assert got == want
+    # Every prompt under every choice, in one batch of twelve.
+    prompts = PROMPTS * 3
+    mix = [None] * 4 + ["a"] * 4 + ["b"] * 4
+    got = greedy(lora_llm, prompts, mix)
+    assert got == references[""] + references["a"] + references["b"]
+
+
+def test_lora_request_object_loads_its_path(tiny_model, adapters, references):
+    from dataclasses import dataclass
+
+    from gpu_worker.llm import LLM
+
+    @dataclass
+    class LoRARequest:       # as vLLM's
+        lora_name: str
+        lora_int_id: int
+        lora_path: str
+
+    llm = LLM(tiny_model, device="cpu", enable_lora=True, max_lora_rank=8)
+    assert llm.engine.lora_adapters() == []
+    assert greedy(llm, PROMPTS[:2], LoRARequest("a", 1, adapters["a"])) == references["a"][:2]
+    assert llm.engine.lora_adapters() == ["a"]
+
+
+# ---- device slots ----------------------------------------------------------------------------
+
+def test_one_slot_serves_adapters_in_turn_without_stale_weights(tiny_model, adapters, references, no_block_leaks):
+    """max_loras 1: requests of the second adapter wait for the first's to finish, and b (which
+    targets fewer projections than a) loads over a's slot with nothing of a left."""
+    from gpu_worker.llm import LLM
+    llm = LLM(tiny_model, device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8,
+              lora_modules={"a": adapters["a"], "b": adapters["b"]})
+    mix = ["a", "b", None, "b"]
+    assert greedy(llm, PROMPTS, mix) == [references[m or ""][i] for i, m in enumerate(mix)]
+    lora = llm.engine.runner.lora
+    assert lora.resident() == ["b"]
+    # a's o_proj / gate_up rows are gone from the slot: b does not target them.
+    for projs in lora.layers:
+        assert not projs["lora_o"].a[0][0].any() and not projs["lora_gate_up"].b[1][0].any()
+    assert greedy(llm, PROMPTS[:1], "a") == references["a"][:1]
+    assert lora.resident() == ["a"]
+
+
+def test_lru_evicts_the_least_recently_used_idle_slot(tiny_model, adapters, tmp_path):
+    from gpu_worker.llm import LLM
+    c = make_tiny_lora(str(tmp_path / "c"), tiny_model, seed=3, rank=2)
+    llm = LLM(tiny_model, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8,
+              lora_modules={"a": adapters["a"], "b": adapters["b"], "c": c})
+    lora = llm.engine.runner.lora
+    for name in ("a", "b", "a"):
+        greedy(llm, PROMPTS[:1], name)
+    assert lora.loads == 2
+    greedy(llm, PROMPTS[:1], "c")           # b was used least recently
+    assert sorted(lora.resident()) == ["a", "c"] and lora.loads == 3
+    greedy(llm, PROMPTS[:1], "a")           # still resident: no load
+    assert lora.loads == 3
+    busy = np.array([lora.slot_of[lora.adapters["a"]], lora.slot_of[lora.adapters["c"]]])
+    with pytest.raises(RuntimeError, match="max_loras"):
+        lora.slot_for(lora.adapters["b"], busy)
+
+
+def test_adapter_blocks_are_never_shared_with_the_base_model(lora_llm, no_block_leaks):
+    prompt = list(range(1, 50))
+    first = lora_llm.generate([prompt], GREEDY)[0]
+    again = lora_llm.generate([prompt], GREEDY)[0]
+    with_a = lora_llm.generate([prompt], GREEDY, lora_request="a")[0]
+    with_a2 = lora_llm.generate([prompt], GREEDY, lora_request="a")[0]
+    assert again.num_cached_tokens == 48 and first.outputs[0].token_ids == again.outputs[0].token_ids
+    assert with_a.num_cached_tokens == 0 and with_a2.num_cached_tokens == 48
+
+
+def test_unload_and_load_again_at_run_time(tiny_model, adapters, references, no_block_leaks):
+    from gpu_worker.llm import LLM
+    llm = LLM(tiny_model, device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8,
+              lora_modules={"x": adapters["a"]})
+    assert greedy(llm, PROMPTS[:1], "x") == references["a"][:1]
+    llm.engine.unload_lora_adapter("x")
+    with pytest.raises(ValueError, match="adapter: unknown LoRA adapter 'x'"):
+        greedy(llm, PROMPTS[:1], "x")
+    # The same name, other weights: served from a fresh load, not the old slot.
+    llm.engine.load_lora_adapter("x", adapters["b"])
+    assert greedy(llm, PROMPTS[:1], "x") == references["b"][:1]
+    with pytest.raises(ValueError, match="lora_name: adapter 'x' is already loaded"):
+        llm.engine.load_lora_adapter("x", adapters["a"])
+    with pytest.raises(ValueError, match="lora_name: no adapter 'y'"):
+        llm.engine.unload_lora_adapter("y")
+
+
+# ---- refusals --------------------------------------------------------------------------------
+
+def test_bad_lora_config_is_refused_naming_the_field(tiny_model, adapters, tmp_path):
+    with pytest.raises(ValueError, match="lora_modules: adapter name 'a' is given twice"):
+        EngineConfig(model=tiny_model, enable_lora=True, lora_modules=[f"a={adapters['a']}", f"a={adapters['b']}"])
+    with pytest.raises(ValueError, match="lora_modules: expected name=path"):
+        EngineConfig(model=tiny_model, enable_lora=True, lora_modules=["just-a-path"])
+    with pytest.raises(ValueError, match="lora_modules: adapter 'm'.*not a directory"):
+        EngineConfig(model=tiny_model, enable_lora=True, lora_modules=[f"m={tmp_path / 'missing'}"])
+    with pytest.raises(ValueError, match="lora_modules: adapters need enable_lora"):
+        EngineConfig(model=tiny_model, lora_modules=[f"a={adapters['a']}"])
+    for field in ("max_loras", "max_lora_rank"):
+        with pytest.raises(ValueError, match=f"{field}: must be a positive integer"):
+            EngineConfig(model=tiny_model, enable_lora=True, **{field: 0})
+    with pytest.raises(ValueError, match="enable_lora: not with tensor_parallel_size"):
+        EngineConfig(model=tiny_model, enable_lora=True, tensor_parallel_size=2)
+
+
+def test_bad_adapters_are_refused_naming_the_field(tiny_model, adapters, tmp_path):
+    from gpu_worker.loader import load_hf_config
+    from gpu_worker.lora import load_peft_adapter
+    cfg = load_hf_config(tiny_model)
+    with pytest.raises(ValueError, match="max_lora_rank: .* has rank 8, more than --max-lora-rank 4"):
+        load_peft_adapter("a", adapters["a"], cfg, 4)
+    with pytest.raises(ValueError, match="lora_path: .* no such directory"):
+        load_peft_adapter("z", str(tmp_path / "nothing"), cfg, 8)
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["a"], bad)
+    conf = json.loads((bad / "adapter_config.json").read_text())
+    for change, match in ((dict(target_modules=["lm_head"]), "target_modules: .* targets lm_head"),
+                          (dict(bias="all"), "bias: "), (dict(r=0), "r: .* positive integer"),
+                          (dict(r=4), "r: .* has shape"), (dict(use_dora=True), "use_dora")):
+        (bad / "adapter_config.json").write_text(json.dumps(dict(conf, **change)))
+        with pytest.raises(ValueError, match=match):
+            load_peft_adapter("bad", str(bad), cfg, 8)
+    (bad / "adapter_config.json").write_text(json.dumps(conf))
+    (bad / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="lora_path: .* cannot read adapter_model.safetensors"):
+        load_peft_adapter("bad", str(bad), cfg, 8)
+
+
+def test_unknown_adapter_is_refused_naming_the_field(lora_llm, tiny_llm_factory):
+    with pytest.raises(ValueError, match=r"adapter: unknown LoRA adapter 'nope' \(loaded: a, b\)"):
+        lora_llm.generate([PROMPTS[0]], GREEDY, lora_request="nope")
+    with pytest.raises(ValueError, match="adapter: this worker serves no adapters"):
+        tiny_llm_factory().generate([PROMPTS[0]], GREEDY, lora_request="a")
