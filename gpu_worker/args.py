@@ -56,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT_DIR, '
                         '"num_speculative_tokens": 4} (a draft of the same tokenizer)')
+    lora = p.add_argument_group("multi-LoRA (PEFT adapters; a request names one as its model or `adapter`)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
+    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                      help="adapters to load at start: name=path of a PEFT adapter directory, one or more "
+                           "(more at run time: Admin LoadLoRAAdapter, the router's /v1/load_lora_adapter)")
+    lora.add_argument("--max-loras", type=int, default=_D["max_loras"],
+                      help="adapters on the device at once (slots, least recently used evicted); distinct "
+                           "adapters in one batch")
+    lora.add_argument("--max-lora-rank", type=int, default=_D["max_lora_rank"],
+                      help="the largest adapter rank accepted (slots are sized for it)")
     p.add_argument("--max-waiting", type=int, default=_D["max_waiting"],
                    help="requests queued beyond this are refused with RESOURCE_EXHAUSTED")
     p.add_argument("--redis-url", default=None, help="publish load and cached blocks here (password: REDIS_PASSWORD)")
@@ -113,4 +123,5 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
                 max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
                 tensor_parallel_size=args.tensor_parallel_size, model_impl=args.model_impl,
                 kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
-                speculative_config=args.speculative_config)
+                speculative_config=args.speculative_config, enable_lora=args.enable_lora,
+                lora_modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import LLMEngine
@@ -64,7 +64,15 @@ class StopCommand:
     pass
 
 
-Command = Union[AddCommand, AbortCommand, StopCommand]
+@dataclass(frozen=True)
+class CallCommand:
+    """Run fn(engine) in the engine's thread between steps; its result or error goes to `done`
+    (called in the engine thread)."""
+    fn: Callable[[LLMEngine], Any]
+    done: Callable[[Any, Optional[BaseException]], None]
+
+
+Command = Union[AddCommand, AbortCommand, StopCommand, CallCommand]
 
 
 class AsyncLLM:
@@ -87,6 +95,7 @@ class AsyncLLM:
         self._events: list[tuple[str, bytes]] = []
         self._cached: dict[bytes, None] = {}     # insertion-ordered set of cached hashes
         self._closed = False
+        self._lora_adapters: tuple[str, ...] = tuple(self.engine.lora_adapters())
         self.fatal: BaseException | None = None   # set when the engine can never step again
         tp = getattr(self.engine.runner, "tp", None)
         if tp is not None:
@@ -143,6 +152,56 @@ class AsyncLLM:
             return False
         self._commands.put(AbortCommand(request_id, notify=True))
         return True
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine), run in the engine's thread between two steps (it alone touches the engine)."""
+        if self._closed:
+            raise RuntimeError("AsyncLLM is shut down")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def done(result, error) -> None:
+            def settle() -> None:
+                if fut.done():
+                    return
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(result)
+            loop.call_soon_threadsafe(settle)
+
+        self._commands.put(CallCommand(fn, done))
+        return await fut
+
+    def lora_adapters(self) -> list[str]:
+        """Adapters requests may name (a copy taken in one step, without waiting on the engine)."""
+        return list(self._lora_adapters)
+
+    async def load_lora_adapter(self, name: str, path: str) -> list[str]:
+        """Read a PEFT adapter (in a worker thread: the engine keeps stepping meanwhile), then
+        register it in the engine's thread; -> the adapters loaded after."""
+        runner = self.engine.runner
+        if runner.lora is None:
+            raise ValueError("lora_name: this worker runs without --enable-lora")
+        if not isinstance(name, str) or not name or name == self.engine.model_name:
+            raise ValueError(f"lora_name: must be a non-empty name other than the base model's (got {name!r})")
+        if not path:
+            raise ValueError("lora_path: must name the adapter's directory")
+        if name in runner.lora.adapters:
+            raise ValueError(f"lora_name: adapter {name!r} is already loaded")
+        from gpu_worker.lora import load_peft_adapter
+        adapter = await asyncio.to_thread(load_peft_adapter, name, path, runner.hf_config, runner.lora.max_rank)
+
+        def register(engine: LLMEngine) -> list[str]:
+            engine.load_lora_adapter(name, adapter=adapter)
+            return engine.lora_adapters()
+        return await self.call(register)
+
+    async def unload_lora_adapter(self, name: str) -> list[str]:
+        def forget(engine: LLMEngine) -> list[str]:
+            engine.unload_lora_adapter(name)
+            return engine.lora_adapters()
+        return await self.call(forget)
 
     def stats(self) -> EngineStats:
         """The snapshot published after the engine's last turn."""
@@ -226,6 +285,14 @@ class AsyncLLM:
                 cmd.stream.put(e)
             finally:
                 self._adds_applied += 1
+        elif isinstance(cmd, CallCommand):
+            try:
+                result = cmd.fn(self.engine)
+            except Exception as e:
+                cmd.done(None, e)
+            else:
+                cmd.done(result, None)
+            self._lora_adapters = tuple(self.engine.lora_adapters())
         elif isinstance(cmd, AbortCommand):
             before = len(self.engine.pending)
             self.engine.abort_request(cmd.request_id)

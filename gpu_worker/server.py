@@ -212,12 +212,29 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         s = self.engine.stats()
         return pb.LoadReport(worker_id=self.worker_id, model=self.model_name, running=s.running, waiting=s.waiting,
                              queued_prefill_tokens=s.queued_prefill_tokens, kv_usage=s.kv_usage,
-                             free_blocks=s.free_blocks, num_blocks=s.num_blocks, draining=self.draining)
+                             free_blocks=s.free_blocks, num_blocks=s.num_blocks, draining=self.draining,
+                             lora_adapters=self.engine.lora_adapters())
 
     async def Abort(self, request, context):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         return pb.AbortResponse(found=bool(await self.engine.abort(request.request_id)))
+
+    async def LoadLoRAAdapter(self, request, context):
+        try:
+            names = await self.engine.load_lora_adapter(request.lora_name, request.lora_path)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.info("LoRA adapter %r loaded from %s", request.lora_name, request.lora_path)
+        return pb.LoRAAdaptersResponse(adapters=names)
+
+    async def UnloadLoRAAdapter(self, request, context):
+        try:
+            names = await self.engine.unload_lora_adapter(request.lora_name)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.info("LoRA adapter %r unloaded", request.lora_name)
+        return pb.LoRAAdaptersResponse(adapters=names)
 
     async def Drain(self, request, context):
         await self.start_drain()

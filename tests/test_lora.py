@@ -248,3 +248,57 @@ def test_unknown_adapter_is_refused_naming_the_field(lora_llm, tiny_llm_factory)
         lora_llm.generate([PROMPTS[0]], GREEDY, lora_request="nope")
     with pytest.raises(ValueError, match="adapter: this worker serves no adapters"):
         tiny_llm_factory().generate([PROMPTS[0]], GREEDY, lora_request="a")
+
+
+# ---- a real worker: adapters by gRPC, loaded and unloaded at run time --------------------------
+
+@pytest.mark.slow
+def test_worker_serves_adapters_and_loads_them_at_run_time(start_worker, tiny_model, adapters, references):
+    import grpc
+
+    from protos.pagoda.v1 import pagoda_pb2 as pb
+    from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+    w = start_worker(tiny_model, enable_lora=True, lora_modules=f"a={adapters['a']}", max_loras=2,
+                     max_lora_rank=8)
+    with grpc.insecure_channel(w.address) as ch:
+        gen, admin = pb_grpc.GenerationStub(ch), pb_grpc.AdminStub(ch)
+
+        def ask(i, adapter=""):
+            sp = pb.SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True)
+            out = []
+            for r in gen.Generate(pb.GenerateRequest(token_ids=PROMPTS[i], sampling=sp, adapter=adapter)):
+                out.extend(r.token_ids)
+            return out
+
+        assert ask(0, "a") == references["a"][0] and ask(0) == references[""][0]
+        assert list(admin.GetLoad(pb.LoadRequest()).lora_adapters) == ["a"]
+        loaded = admin.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="b", lora_path=adapters["b"]))
+        assert list(loaded.adapters) == ["a", "b"]
+        assert [ask(i, "b") for i in range(2)] == references["b"][:2]
+        assert list(admin.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="a")).adapters) == ["b"]
+        for call, match in ((lambda: ask(1, "a"), "adapter: unknown LoRA adapter 'a'"),
+                            (lambda: admin.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="c", lora_path="/nope")),
+                             "lora_path: "),
+                            (lambda: admin.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="b", lora_path=adapters["b"])),
+                             "lora_name: adapter 'b' is already loaded"),
+                            (lambda: admin.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="zz")),
+                             "lora_name: no adapter 'zz'")):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
+        assert ask(2, "b") == references["b"][2]     # the worker carries on
+
+
+def test_worker_flags_are_in_help_and_bad_ones_refused(tiny_model, adapters):
+    from gpu_worker.args import build_parser, engine_config_kwargs
+    text = build_parser().format_help()
+    for flag in ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"):
+        assert flag in text
+    args = build_parser().parse_args(["--model", tiny_model, "--enable-lora", "--lora-modules", f"a={adapters['a']}",
+                                      f"b={adapters['b']}", "--max-loras", "3", "--max-lora-rank", "8"])
+    cfg = EngineConfig(**engine_config_kwargs(args))
+    assert cfg.enable_lora and cfg.lora_modules == {"a": adapters["a"], "b": adapters["b"]}
+    assert (cfg.max_loras, cfg.max_lora_rank) == (3, 8)
+    args = build_parser().parse_args(["--model", tiny_model, "--lora-modules", f"a={adapters['a']}"])
+    with pytest.raises(ValueError, match="lora_modules: adapters need enable_lora"):
+        EngineConfig(**engine_config_kwargs(args))

@@ -220,7 +220,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "model", "running", "waiting", "queued_prefill_tokens", "kv_usage", "free_blocks", "num_blocks", "draining")
+    __slots__ = ("worker_id", "model", "running", "waiting", "queued_prefill_tokens", "kv_usage", "free_blocks", "num_blocks", "draining", "lora_adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class LoadReport(_message.Message):
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     running: int
@@ -239,7 +240,8 @@ class LoadReport(_message.Message):
     free_blocks: int
     num_blocks: int
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -252,6 +254,26 @@ class AbortResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

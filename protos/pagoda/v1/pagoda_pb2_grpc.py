@@ -209,6 +209,16 @@ class AdminStub:
                 request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainRequest.SerializeToString,
                 response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pagoda.v1.Admin/LoadLoRAAdapter',
+                request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pagoda.v1.Admin/UnloadLoRAAdapter',
+                request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -233,6 +243,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Multi-LoRA at run time (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter):
+        register a PEFT adapter directory under a name requests then give as `adapter`, or forget
+        one. Needs --enable-lora; a bad name or path is INVALID_ARGUMENT naming the field.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +275,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainRequest.FromString,
                     response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -333,6 +368,60 @@ class Admin:
             '/pagoda.v1.Admin/Drain',
             protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainRequest.SerializeToString,
             protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.Admin/LoadLoRAAdapter',
+            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.Admin/UnloadLoRAAdapter',
+            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
