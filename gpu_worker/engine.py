@@ -11,6 +11,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Iterable, Optional
 
+from gpu_worker import beam_search
+from gpu_worker.beam_search import BeamGroup
 from gpu_worker.config import EngineConfig
 from gpu_worker.detokenizer import Detokenizer
 from gpu_worker.input_batch import LENGTH, STOP_TOKEN
@@ -63,6 +65,7 @@ class LLMEngine:
                                    config.max_loras if config.enable_lora else 0)
         self.detokenizers: dict[str, Detokenizer] = {}
         self.children: dict[str, list[Request]] = {}    # caller id -> its live sequences
+        self.beam_groups: dict[str, BeamGroup] = {}     # caller id -> its beam search
         self.pending: list[StreamDelta] = []            # abort notices for the next step
         self.generation_tokens = 0
         self.num_steps, self.step_seconds = 0, 0.0
@@ -115,6 +118,21 @@ class LLMEngine:
         if cdiv(final_len, self.block_size) > self.num_blocks:
             raise ValueError(f"max_tokens: prompt plus max_tokens needs {cdiv(final_len, self.block_size)} "
                              f"KV blocks but the pool has {self.num_blocks}")
+        if params.use_beam_search:
+            self._validate_beam_search(ids, params)
+
+    def _validate_beam_search(self, ids: list[int], params: SamplingParams) -> None:
+        width, name = params.beam_width, "best_of" if params.best_of is not None else "n"
+        if self.config.speculative_config is not None:
+            raise ValueError("use_beam_search: not served with speculative decoding on (--speculative-config)")
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"{name}: beam width {width} exceeds max_num_seqs={self.config.max_num_seqs} "
+                             "(every beam is a running sequence)")
+        # The prompt's blocks are shared; at worst each beam holds its own blocks past it.
+        need = cdiv(len(ids), self.block_size) + width * (cdiv(params.max_tokens, self.block_size) + 1)
+        if need > self.num_blocks:
+            raise ValueError(f"max_tokens: {width} beams of prompt plus max_tokens may need {need} KV "
+                             f"blocks but the pool has {self.num_blocks}")
 
     def _check_adapter(self, adapter: str) -> None:
         lora = self.runner.lora
@@ -131,6 +149,8 @@ class LLMEngine:
         self.validate_request(request_id, prompt_token_ids, params, priority, cache_salt, adapter)
         root = namespace_root(self.model_name, adapter, cache_salt)
         serial = next(self._serial)
+        if params.use_beam_search:
+            return self._add_beam_search(request_id, prompt_token_ids, params, priority, root, serial, adapter)
         seqs = []
         for i in range(params.n):
             # A serial in the internal id keeps a reused caller id apart from the runner's
@@ -174,6 +194,102 @@ class LLMEngine:
             raise ValueError("lora_name: this worker runs without --enable-lora")
         lora.remove(name)
 
+    def _add_beam_search(self, request_id: str, ids: list[int], params: SamplingParams, priority: int,
+                         root: bytes, serial: int, adapter: str = "") -> None:
+        """One request for the prompt; its step's top 2 * width tokens start the beams (every
+        beam a copy of it: same adapter, priority, cache namespace)."""
+        width = params.beam_width
+        inner = SamplingParams(temperature=params.temperature, max_tokens=self.max_model_len,
+                               ignore_eos=True, logprobs=2 * width)
+        req = Request(f"{request_id}#beam.{serial}.0", ids, inner, self.block_size, root,
+                      priority=priority, parent_id=request_id)
+        req.is_beam = req.waits_for_its_token = True
+        req.lora = self.runner.lora.adapters[adapter] if adapter and self.runner.lora is not None else None
+        group = BeamGroup(request_id, list(ids), width, params.n, params.max_tokens, params.ignore_eos,
+                          params.length_penalty, beams=[req], cum={req.req_id: 0.0})
+        group.forks = serial
+        self.beam_groups[request_id] = group
+        self.children[request_id] = [req]
+        self.scheduler.add_request(req)
+
+    def _step_beams(self) -> list[StreamDelta]:
+        """Every group whose live beams are all ready takes its next step: the best
+        continuations fork from their parents (KV shared), the parents end; a group that is
+        done returns its best beams."""
+        deltas: list[StreamDelta] = []
+        for group in list(self.beam_groups.values()):
+            if all(b.beam_ready is not None for b in group.beams):
+                deltas.extend(self._advance(group))
+        return deltas
+
+    def _advance(self, group: BeamGroup) -> list[StreamDelta]:
+        parents = group.beams
+        if group.steps == 0 and parents[0].num_cached_tokens >= 0:
+            group.num_cached_tokens = parents[0].num_cached_tokens
+        offered = [(group.cum[b.req_id], *b.beam_ready) for b in parents]
+        running, done = beam_search.select(beam_search.candidates(offered), group.width,
+                                           self.eos_token_ids, group.ignore_eos)
+        group.steps += 1
+        self.generation_tokens += len(parents)
+        for c in done:
+            group.finish_beam(parents[c.parent].all_token_ids + [c.token], c.cum_logprob, self.eos_token_ids)
+        last = group.steps >= group.max_tokens
+        children: list[tuple[Request, int]] = []    # (child, tokens of KV it shares)
+        for c in running:
+            parent = parents[c.parent]
+            if last or parent.num_tokens + 1 >= self.max_model_len:
+                group.finish_beam(parent.all_token_ids + [c.token], c.cum_logprob, self.eos_token_ids)
+                continue
+            group.forks += 1
+            child = parent.fork(f"{group.request_id}#beam.{group.forks}", c.token)
+            held = parent.req_id in self.scheduler.requests and parent.status is RequestStatus.RUNNING
+            children.append((child, self.kv.fork(parent, child) if held else 0))
+            group.cum[child.req_id] = c.cum_logprob
+        self._note_sharing(group, [ch for ch, _ in children])
+        self.scheduler.finish_requests([p.req_id for p in parents], RequestStatus.FINISHED_STOPPED)
+        for p in parents:
+            group.cum.pop(p.req_id, None)
+        group.beams = [ch for ch, _ in children]
+        for child, shared in children:
+            if shared and len(self.scheduler.running) < self.config.max_num_seqs:
+                self.scheduler.add_forked(child, shared)
+            else:       # no KV, or no sequence slot free: it waits and recomputes its prefix
+                self.kv.free(child)
+                self.scheduler.add_request(child)
+        if group.beams:
+            self.children[group.request_id] = group.beams
+            return []
+        return self._end_beam_search(group)
+
+    def _note_sharing(self, group: BeamGroup, beams: list[Request]) -> None:
+        """The most blocks two of the group's beams share (tests and bench/beam.py read it)."""
+        tables = [self.kv.req_to_blocks.get(b.req_id, []) for b in beams]
+        ids = [b.block_id for t in tables for b in t]
+        shared = len(ids) - len(set(ids))
+        group.max_shared_blocks = max(group.max_shared_blocks, shared)
+
+    def _end_beam_search(self, group: BeamGroup, aborted: bool = False) -> list[StreamDelta]:
+        self.beam_groups.pop(group.request_id, None)
+        self.children.pop(group.request_id, None)
+        self.scheduler.finish_requests([b.req_id for b in group.beams], RequestStatus.FINISHED_ABORTED)
+        n_prompt = len(group.prompt_token_ids)
+        if aborted:
+            return [StreamDelta(group.request_id, i, [], "", None, True, "abort", None, n_prompt,
+                                group.num_cached_tokens, 0) for i in range(group.n)]
+        out = []
+        for i, seq in enumerate(group.best()):
+            detok = Detokenizer(self.tokenizer, group.prompt_token_ids)
+            shown = seq.output_token_ids[:-1] if seq.finish_reason == "stop" else seq.output_token_ids
+            for t in shown:
+                detok.add_token(t, check_stop=False)
+            detok.flush()
+            seq.text = detok.take_delta(True)
+            stop_reason = None
+            out.append(StreamDelta(group.request_id, i, seq.output_token_ids, seq.text, None, True,
+                                   seq.finish_reason, stop_reason, n_prompt, group.num_cached_tokens,
+                                   len(seq.output_token_ids), cumulative_logprob=seq.cum_logprob))
+        return out
+
     def _generator(self, seed: int):
         import torch
         return torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -182,6 +298,10 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
+            group = self.beam_groups.get(rid)
+            if group is not None:
+                self.pending.extend(self._end_beam_search(group, aborted=True))
+                continue
             seqs = self.children.pop(rid, [])
             self.scheduler.finish_requests([r.req_id for r in seqs], RequestStatus.FINISHED_ABORTED)
             for req in seqs:
@@ -222,6 +342,8 @@ class LLMEngine:
             self.in_flight = None
         deltas.extend([self._on_token(req, flags) if n == 1 else self._on_tokens(req, flags, n)
                        for req, flags, n in collected])
+        if self.beam_groups:
+            deltas.extend(self._step_beams())
         if self.in_flight is not None and not any(s.req_id in self.scheduler.requests
                                                   for s in self.in_flight[0].scheduled):
             self._collect(self.in_flight)   # every request in it has ended: nothing to wait for

@@ -1,4 +1,5 @@
-"""The request-facing side of the block pool: prefix-cache lookups, slot allocation, freeing."""
+"""The request-facing side of the block pool: prefix-cache lookups, slot allocation, freeing,
+and the copy-on-write of blocks that forked sequences (beam search) share."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -19,6 +20,10 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already named in the cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # Block copies (src, dst) the next step must do before its forward: copy-on-write.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_copies = 0           # blocks copied so far (tests and bench/beam.py read it)
+        self.share_on_fork = True     # False: a fork copies every block (bench/beam.py's baseline)
 
     @property
     def num_blocks(self) -> int:
@@ -48,6 +53,10 @@ class KVCacheManager:
             raise ValueError("num_new_tokens must be at least 1")
         total = request.num_computed_tokens + num_new_tokens
         held = self.req_to_blocks.get(request.req_id)
+        if held and len(held) * self.block_size > request.num_computed_tokens and \
+                held[request.num_computed_tokens // self.block_size].ref_cnt > 1 and \
+                not self._copy_on_write(held, request.num_computed_tokens // self.block_size, total):
+            return None
         if held and not new_computed_blocks and total <= len(held) * self.block_size and \
                 (not self.enable_caching or total // self.block_size <= self.num_cached_blocks.get(request.req_id, 0)):
             return held     # the common decode step: room left, no block filled up to name
@@ -66,6 +75,48 @@ class KVCacheManager:
             blocks.extend(self.pool.get_new_blocks(num_needed))
         self._cache_blocks(request, blocks, num_computed + num_new_tokens)
         return blocks
+
+    def _copy_on_write(self, blocks: list[KVCacheBlock], i: int, total: int) -> bool:
+        """blocks[i] is about to be written but is shared with a forked sibling: give this
+        sequence its own copy (False, nothing changed, when no block is free for the copy and
+        the slots still to come)."""
+        more = max(0, cdiv(total, self.block_size) - len(blocks))
+        if self.pool.num_free_blocks() < 1 + more:
+            return False
+        old = blocks[i]
+        new = self.pool.get_new_blocks(1)[0]
+        self.pending_copies.append((old.block_id, new.block_id))
+        blocks[i] = new
+        self.pool.free_blocks([old])     # still held by the sibling: only its count drops
+        return True
+
+    def fork(self, parent: Request, child: Request) -> int:
+        """The child takes the parent's blocks: shared by reference count (or, without
+        share_on_fork, copied whole). Returns the tokens whose KV the child now has (the
+        parent's computed ones); 0 when the parent holds no blocks."""
+        blocks = self.req_to_blocks.get(parent.req_id)
+        if not blocks:
+            return 0
+        if self.share_on_fork:
+            self.pool.touch(blocks)
+            mine = list(blocks)
+        else:
+            if self.pool.num_free_blocks() < len(blocks):
+                return 0
+            mine = self.pool.get_new_blocks(len(blocks))
+            self.pending_copies.extend((a.block_id, b.block_id) for a, b in zip(blocks, mine))
+        self.req_to_blocks[child.req_id] = mine
+        if not self.share_on_fork:
+            self.num_cached_blocks[child.req_id] = 0
+            self._cache_blocks(child, mine, parent.num_computed_tokens)
+        else:
+            self.num_cached_blocks[child.req_id] = self.num_cached_blocks.get(parent.req_id, 0)
+        return parent.num_computed_tokens
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        self.num_copies += len(copies)
+        return copies
 
     def _cache_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         if not self.enable_caching:

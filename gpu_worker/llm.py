@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
+from gpu_worker.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import LLMEngine
 from gpu_worker.outputs import CompletionOutput, RequestOutput
@@ -68,6 +69,29 @@ class LLM:
             self.engine.load_lora_adapter(name, path)
         return name
 
+    def beam_search(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: per prompt, the beam_width best beams, best first, each with
+        its tokens (prompt included), text, cumulative log-probability and score. The beams of a
+        prompt share KV blocks in the engine (gpu_worker/beam_search.py)."""
+        sp = SamplingParams(n=params.beam_width, use_beam_search=True, temperature=params.temperature,
+                            max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                            length_penalty=params.length_penalty)
+        results = []
+        for ro in self.generate(prompts, sp):
+            seqs = []
+            for c in ro.outputs:
+                if c.finish_reason == "abort":
+                    continue
+                cum = c.cumulative_logprob if c.cumulative_logprob is not None else 0.0
+                tokens = ro.prompt_token_ids + c.token_ids
+                seqs.append(BeamSearchSequence(tokens, list(c.token_ids), cum,
+                                               beam_score(len(tokens), tokens[-1] in self.engine.eos_token_ids,
+                                                          cum, params.length_penalty),
+                                               c.text, c.finish_reason or "length"))
+            results.append(BeamSearchOutput(seqs, list(ro.prompt_token_ids)))
+        return results
+
     def _run(self, outputs: dict[str, RequestOutput]) -> None:
         left = sum(len(o.outputs) for o in outputs.values())
         while left:
@@ -78,6 +102,8 @@ class LLM:
                 c.text += d.text
                 if d.logprobs and c.logprobs is not None:
                     c.logprobs.extend(d.logprobs)
+                if d.cumulative_logprob is not None:
+                    c.cumulative_logprob = d.cumulative_logprob
                 if d.index == 0:
                     ro.num_cached_tokens = d.num_cached_tokens
                 if d.prompt_logprobs is not None:

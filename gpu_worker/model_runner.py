@@ -338,9 +338,26 @@ class ModelRunner:
         """Apply a step to the batch and run the model over it (writing its KV); fp32 logits
         [sampling requests, V]. The sampled tokens are not appended: execute does that."""
         self.batch.update(out)
+        if out.block_copies:
+            self.copy_blocks(out.block_copies)
         if not out.scheduled:
             return torch.empty(0, self.vocab_size, device=self.device)
         return self._run_model(out.scheduled)[0]
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer's K and V (copy-on-write of blocks forked
+        beams shared), before the step's forward writes into dst. One gather and one scatter per
+        tensor; on CUDA they queue in stream order, after the step that wrote src."""
+        if self.tp is not None:
+            self.tp.send("copy_blocks", copies)
+        src = torch.tensor([a for a, _ in copies], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([b for _, b in copies], dtype=torch.int64, device=self.device)
+        for cache in self.kv_caches:
+            for t in cache:
+                # fp8 has no index_copy kernel: its bytes are copied as they are.
+                t = t.view(torch.uint8) if t.element_size() == 1 else t
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     @torch.inference_mode()
     def run_model(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
@@ -363,6 +380,8 @@ class ModelRunner:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.batch.update(out)
+        if out.block_copies:
+            self.copy_blocks(out.block_copies)
         if self.draft is not None:
             self.draft.forget(out.finished_req_ids)
         if not out.scheduled:

@@ -48,6 +48,9 @@ class SchedulerOutput:
     # Requests that left the batch since the last step (finished, aborted, preempted):
     # the runner frees their rows before adding this step's new requests.
     finished_req_ids: set[str] = field(default_factory=set)
+    # (src, dst) block copies to do before the forward: copy-on-write of blocks forked
+    # sequences shared (beam search).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +90,7 @@ class CompletionOutput:
     finish_reason: Optional[str] = None      # "stop" | "length" | "abort"
     stop_reason: int | str | None = None     # the stop token id or stop string that matched
     logprobs: Optional[list[TokenLogprobs]] = None
+    cumulative_logprob: Optional[float] = None   # beam search: the beam's summed log-probability
 
 
 @dataclass
@@ -118,6 +122,7 @@ class StreamDelta:
     num_output_tokens: int
     # Scores of prompt tokens 1.. (see Request.prompt_logprobs), on index 0's first delta.
     prompt_logprobs: Optional[list[TokenLogprobs]] = None
+    cumulative_logprob: Optional[float] = None   # beam search: set on each beam's one delta
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ A caller's request with n > 1 becomes n of these (children), one per output inde
 """
 from __future__ import annotations
 
+import copy
 import enum
 import itertools
 from typing import Optional
@@ -66,6 +67,10 @@ class Request:
         self.lora: Optional[object] = None       # its gpu_worker.lora.LoRAAdapter (engine.add_request)
         self.hash_root = hash_root
         self.block_hashes: list[bytes] = block_hashes(self.all_token_ids, block_size, hash_root)
+        # Beam search: a beam's step appends nothing; it leaves (sampled token, its logprobs) here
+        # and sits out until its group picks the continuations (gpu_worker/beam_search.py).
+        self.is_beam = False
+        self.beam_ready: Optional[tuple[int, TokenLogprobs]] = None
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +99,21 @@ class Request:
             # Only the block that just filled up is new; the chain extends from the last hash.
             self.block_hashes = block_hashes(self.all_token_ids, self.block_size,
                                              self.hash_root, self.block_hashes)
+
+    def fork(self, req_id: str, token_id: int) -> "Request":
+        """A beam's child: this sequence plus token_id, in the WAITING state with nothing
+        computed (the caller shares the parent's KV with it, or lets it recompute)."""
+        child = copy.copy(self)
+        child.req_id = req_id
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.logprobs, child.prompt_logprobs = [], []
+        child.status = RequestStatus.WAITING
+        child.num_computed_tokens = child.num_output_placeholders = 0
+        child.beam_ready = None
+        child.append_output_token(token_id)
+        return child
 
     def prompt_logprobs_pending(self) -> bool:
         """Prompt tokens are still to be scored: the prompt must be computed, not read from the cache."""

@@ -34,6 +34,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # A structured_output.CompiledGrammar (GrammarCompiler.compile); None means free text.
     structured_output: Any = None
+    # Beam search (gpu_worker/beam_search.py): best_of beams (n when not given) searched, the n
+    # best returned, ranked with length_penalty.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of if self.best_of is not None else self.n
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -106,3 +115,35 @@ class SamplingParams:
                 integer(name)
                 if not 0 <= getattr(self, name) <= 20:
                     bad(name, "must be in [0, 20]")
+        if self.best_of is not None:
+            integer("best_of")
+            if self.best_of < self.n:
+                bad("best_of", f"must be >= n ({self.n})")
+            if self.best_of > self.n and not self.use_beam_search:
+                bad("best_of", "more candidates than n need use_beam_search (sampling returns all n)")
+        if not isinstance(self.use_beam_search, bool):
+            bad("use_beam_search", "must be true or false")
+        finite("length_penalty")
+        if self.use_beam_search:
+            self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        """Beam search ranks by log-probability: the sampling transforms would change what the
+        beams are scored by, and stops end beams the search still ranks; refused by name."""
+        from gpu_worker.beam_search import MAX_BEAM_WIDTH
+        width_field = "best_of" if self.best_of is not None else "n"
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"{width_field}: the beam width must be in [1, {MAX_BEAM_WIDTH}] with "
+                             f"use_beam_search (got {self.beam_width})")
+        defaults = SamplingParams()
+        for name in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "min_tokens", "seed", "logprobs", "prompt_logprobs",
+                     "structured_output"):
+            value, default = getattr(self, name), getattr(defaults, name)
+            if value != default and not (name == "top_k" and value == 0):
+                raise ValueError(f"{name}: not allowed with use_beam_search (got {value!r})")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not allowed with use_beam_search")
+        if self.stop or self.stop_token_ids:
+            raise ValueError(f"{'stop' if self.stop else 'stop_token_ids'}: not allowed with use_beam_search "
+                             "(beams end at EOS or max_tokens)")

@@ -12,6 +12,12 @@ whose token is in flight counts it as a placeholder (the runner feeds the sample
 the device), is not scheduled again if that token must end it by length (nor, with a grammar,
 before the token is back: its next mask depends on it), and keeps its runner row until the token
 comes back, even when preempted, so that the token's stop checks still run.
+
+Beams (gpu_worker/beam_search.py) run as requests whose step appends nothing: a ready beam sits
+in `running` with its KV until its group forks it (`add_forked`). One that must make room leaves
+the scheduler altogether (`_release`): its candidates are kept, only its KV is lost. A step in
+which nothing could run while ready beams hold the sequence slots releases them, so that their
+waiting siblings get in.
 """
 from __future__ import annotations
 
@@ -132,7 +138,38 @@ class Scheduler:
         # Admitting after a preemption would only take back the blocks just freed.
         if not preempted:
             budget = self._admit(budget, chunks)
+        while not chunks and len(self.waiting):
+            # Ready beams wait for siblings that cannot get in: they make room.
+            ready = next((r for r in reversed(self.running) if r.beam_ready is not None), None)
+            if ready is None:
+                break
+            self._release(ready)
+            budget = self._admit(budget, chunks)
         return self._output(chunks)
+
+    def add_forked(self, req: Request, num_computed: int) -> None:
+        """A beam's child that already holds its parent's KV for num_computed tokens (the KV
+        manager's fork): it runs from the next step on."""
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_computed
+        self.requests[req.req_id] = req
+        self.running.append(req)
+
+    def _release(self, req: Request) -> None:
+        """A ready beam leaves the scheduler: its blocks and runner row go, its candidates stay
+        with its group (which will continue it, or not, by recompute)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.requests.pop(req.req_id, None)
+        self.kv.free(req)
+        self.blocks_sent.pop(req.req_id, None)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.num_preemptions += 1
+        if not req.num_output_placeholders:
+            self.finished_req_ids.add(req.req_id)
 
     def _admit(self, budget: int, chunks: dict[str, int]) -> int:
         adapters: set | None = None
@@ -199,6 +236,8 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, req: Request) -> None:
+        if req.beam_ready is not None:
+            return self._release(req)
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -246,7 +285,8 @@ class Scheduler:
             req.num_computed_tokens = end
             if sample:
                 req.num_output_placeholders += 1
-        out = SchedulerOutput(scheduled=scheduled, new=new, finished_req_ids=self.finished_req_ids)
+        out = SchedulerOutput(scheduled=scheduled, new=new, finished_req_ids=self.finished_req_ids,
+                              block_copies=self.kv.take_copies())
         self.finished_req_ids = set()
         return out
 
@@ -269,6 +309,10 @@ class Scheduler:
                 continue
             req.num_output_placeholders -= 1
             token = tokens.get(s.req_id)
+            if req.is_beam:
+                if token is not None:
+                    self._beam_ready(req, token, logprobs[s.req_id])
+                continue
             if token is None:
                 if s.spec_token_ids and s.req_id in result.spec_token_ids:
                     self._land_speculated(req, s, result)
@@ -281,6 +325,12 @@ class Scheduler:
                 self.finished_req_ids.add(req.req_id)   # its runner row can go now
             advanced.append(req)
         return advanced
+
+    def _beam_ready(self, req: Request, token: int, lps) -> None:
+        req.beam_ready = (token, lps)
+        if req.status is RequestStatus.PREEMPTED and req.req_id in self.requests:
+            self._release(req)      # preempted with its step in flight: no need to run it again
+            self.num_preemptions -= 1
 
     def _land_speculated(self, req: Request, s: ScheduledRequest, result: ModelRunnerOutput) -> None:
         """A verified step's tokens join the request; the slots of its rejected drafts go back:
