@@ -11,7 +11,7 @@ import os
 import secrets
 import socket
 
-from gpu_worker.config import EngineConfig
+from gpu_worker.config import QUANTIZATION_METHODS, EngineConfig
 from gpu_worker.spec_config import parse_speculative_config
 from protos import limits, security
 
@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="native Llama-family code or transformers' modeling code (auto: native where it exists)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=_D["kv_cache_dtype"],
                    help="fp8: e4m3 K/V with per-tensor scales, half the memory of bf16")
+    p.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
+                   help="quantized weights: fp8 quantizes a bf16/fp16/fp32 checkpoint at load (e4m3 per output "
+                        "channel); a checkpoint quantized already (compressed-tensors fp8, GPTQ or AWQ int4) is "
+                        "found from its config.json, and a value given must match it")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=_D["scheduling_policy"])
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default=_D["async_scheduling"],
                    help="schedule and launch the next step before this one's tokens are back, and work "
@@ -124,4 +128,5 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
                 tensor_parallel_size=args.tensor_parallel_size, model_impl=args.model_impl,
                 kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
                 speculative_config=args.speculative_config, enable_lora=args.enable_lora,
-                lora_modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+                lora_modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                quantization=args.quantization)

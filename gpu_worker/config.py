@@ -8,6 +8,9 @@ from typing import Any, Optional
 
 from gpu_worker.spec_config import SpeculativeConfig, parse_speculative_config
 
+# --quantization, vLLM's names (gpu_worker/quantization.py).
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -82,6 +85,10 @@ class EngineConfig:
     lora_modules: Any = None                    # {name: path}, or ["name=path", ...]
     max_loras: int = 1
     max_lora_rank: int = 16
+    # Quantized weights (gpu_worker/quantization.py): None loads what the checkpoint holds (a
+    # quantized one by its config.json quantization_config); fp8 quantizes a bf16/fp16/fp32
+    # checkpoint at load; any value must match a quantized checkpoint's quant_method.
+    quantization: Optional[str] = None
 
     def __post_init__(self):
         if self.served_model_name is None:
@@ -101,6 +108,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype: must be auto or fp8 (got {self.kv_cache_dtype!r})")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling: must be auto, on or off (got {self.async_scheduling!r})")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)} "
+                             f"(got {self.quantization!r})")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be at least 1 (got {self.max_num_seqs})")
         if (not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool)

@@ -139,13 +139,19 @@ def choose_backend(hf_config, model_impl: str = "auto") -> tuple[str, str]:
 
 
 def load_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, shard=None,
-               model_impl: str = "auto") -> torch.nn.Module:
+               model_impl: str = "auto", quant=None) -> torch.nn.Module:
     """Build the model on the meta device and load its weights (only `shard`'s slices, if given:
-    native models only)."""
+    native models only); `quant` (a gpu_worker.quantization.QuantConfig) quantizes its linears."""
     from gpu_worker.models.parallel import Shard, shard_slice, sharding
     shard = shard or Shard()
     backend, why = choose_backend(hf_config, model_impl)
     log.info("model %s: %s backend (%s)", getattr(hf_config, "architectures", None), backend, why)
+    if quant is not None and backend != "native":
+        raise ValueError(f"quantization: {quant.method} needs the native backend ({why}); "
+                         "pass --model-impl auto or native with a Llama-family checkpoint")
+    if quant is not None and quant.prequantized and shard.size > 1:
+        raise ValueError(f"tensor_parallel_size: {shard.size} with a pre-quantized ({quant.method}) checkpoint "
+                         "is not supported yet; run it on one rank (--quantization fp8 of a bf16 checkpoint shards)")
     if backend == "transformers":
         if shard.size > 1:
             raise ValueError(f"tensor_parallel_size: {shard.size} needs the native backend; "
@@ -155,14 +161,24 @@ def load_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, s
     cls = model_class(hf_config)
     with torch.device("meta"), sharding(shard):
         model = cls(hf_config)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if quant is not None:
+        from gpu_worker.quantization import quantize_model
+        quantize_model(model, quant, dtype)
+    model = model.to_empty(device=device)
     names = None if shard.size == 1 else (lambda name: shard_slice(hf_config, name, shard))
-    load_weights(model, iter_weights(path, names))
+    load_weights(model, iter_weights(path, names), device)
     return model.eval()
 
 
-def load_weights(model: torch.nn.Module, weights) -> None:
+def load_weights(model: torch.nn.Module, weights, device: torch.device | None = None) -> None:
+    """Copy checkpoint tensors into the model's parameters; a quantized layer
+    (gpu_worker.quantization.QuantLinear) takes its own tensors and converts them."""
+    from gpu_worker.quantization import quant_layers
     params = dict(model.named_parameters())
+    quant = quant_layers(model)
+    if device is None:
+        device = next(model.parameters()).device
     stacked: dict[str, tuple[str, ...]] = getattr(model, "stacked_params", {})   # fused param -> its HF parts
     fused_of = {part: (fused, i) for fused, parts in stacked.items()
                 for i, part in enumerate(parts)}
@@ -182,9 +198,26 @@ def load_weights(model: torch.nn.Module, weights) -> None:
             pieces[i] = tensor
             if len(pieces) < len(stacked[fused]):
                 continue
-            tensor = torch.cat([pieces[j] for j in range(len(pieces))], dim=0)
+            ordered = [pieces[j] for j in range(len(pieces))]
+            if len({p.dtype for p in ordered}) > 1:
+                raise ValueError(f"model: the checkpoint tensors stacked into {target} differ in dtype "
+                                 f"({', '.join(str(p.dtype) for p in ordered)}; the last read: {hf_name})")
+            qlayer = quant.get(".".join([*prefix, fused]))
+            if qlayer is not None and target not in params:
+                tensor = qlayer.fuse(leaf, ordered)
+            else:
+                tensor = torch.cat(ordered, dim=0)
             del pending[target]
             name = target
+            module = fused
+        qlayer = quant.get(".".join([*prefix, module]))
+        if qlayer is not None and name not in params:
+            if leaf == "bias":      # GPTQ writers store zero biases for layers that have none
+                if tensor.count_nonzero():
+                    raise ValueError(f"model: checkpoint tensor {hf_name} is a bias the model's config has no place for")
+                continue
+            qlayer.load(leaf, tensor, hf_name, device)
+            continue
         if name not in params:
             log.warning("checkpoint tensor %s has no place in the model; ignored", hf_name)
             continue
@@ -196,6 +229,10 @@ def load_weights(model: torch.nn.Module, weights) -> None:
             param.copy_(tensor)
         loaded.add(name)
     missing = sorted(set(params) - loaded)
+    for qname, qlayer in quant.items():
+        missing += [f"{qname}.{leaf}" for leaf in qlayer.missing()]
+        if not qlayer.missing():
+            qlayer.finish()
     if missing:
         raise ValueError(f"model: checkpoint lacks weights for {', '.join(missing[:8])}"
                          f"{' ...' if len(missing) > 8 else ''}")

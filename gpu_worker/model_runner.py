@@ -25,10 +25,11 @@ from gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
 from gpu_worker.input_batch import InputBatch, PromptScores, StepInputs
 from gpu_worker.loader import load_hf_config, load_model, resolve_dtype, resolve_model
 from gpu_worker.lora import LoRAManager
-from gpu_worker.memory import cuda_graph_bytes, kv_budget_bytes, sampler_workspace_bytes
+from gpu_worker.memory import cuda_graph_bytes, kv_budget_bytes, module_bytes, sampler_workspace_bytes
 from gpu_worker.models.llama import use_triton_ops
 from gpu_worker.models.parallel import Shard, check_tensor_parallel
 from gpu_worker.outputs import Logprob, ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from gpu_worker.quantization import parse_quantization
 from gpu_worker.sampler import Sampled, Sampler
 from gpu_worker.spec_decode import DraftModel, Verified, rejection_sample, uniforms_for
 from gpu_worker.warmup import WarmupStep, warmup_plan
@@ -95,9 +96,14 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.tp is not None:
             self.tp.join_group()
+        # Quantized weights: the flag and the checkpoint's quantization_config, checked together.
+        self.quant = parse_quantization(config.quantization, self.hf_config)
         # Any: nn.Module's attribute typing cannot see the model's own methods.
         self.model: Any = cast(Any, load_model(self.model_path, self.hf_config, self.device, self.dtype,
-                                               self.shard, model_impl=config.model_impl))
+                                               self.shard, model_impl=config.model_impl, quant=self.quant))
+        self.weight_bytes = module_bytes(self.model)
+        log.info("weights: %.3f GiB on %s%s", self.weight_bytes / 2**30, self.device,
+                 f", {self.quant.describe()}" if self.quant is not None else "")
         self.write_fn, self.attend_fn = select_backend(config.attention_backend, self.device)
         self.backend = resolve_backend(config.attention_backend, self.device)
         use_triton_ops(self.model, self.backend == "triton")
@@ -229,9 +235,9 @@ class ModelRunner:
             torch.empty(0, dtype=self.dtype).element_size())
         budget = kv_budget_bytes(total, self.config.gpu_memory_utilization, outside, peak, sampler, graphs)
         blocks = int(budget // self.bytes_per_block())
-        log.info("profiled peak %.2f GiB (weights + activations), sampler %.2f GiB, outside torch "
-                 "%.2f GiB, KV budget %.2f GiB", peak / 2**30, sampler / 2**30, outside / 2**30,
-                 max(budget, 0) / 2**30)
+        log.info("profiled peak %.2f GiB (weights %.2f GiB + activations), sampler %.2f GiB, outside torch "
+                 "%.2f GiB, KV budget %.2f GiB", peak / 2**30, self.weight_bytes / 2**30, sampler / 2**30,
+                 outside / 2**30, max(budget, 0) / 2**30)
         if blocks < 1:
             raise ValueError("gpu_memory_utilization: no memory left for the KV cache (budget "
                              f"{budget / 2**30:.2f} GiB after weights, activations and the sampler)")

@@ -44,6 +44,7 @@ EVERYTHING = {
         "kvCacheMemory": "20GiB", "numKvBlocks": 4096, "maxNumBatchedTokens": 4096, "maxModelLen": 8192,
         "maxWaiting": 100, "heartbeatInterval": 0.25, "snapshotInterval": 2, "prefixCaching": False, "enforceEager": True,
         "schedulingPolicy": "priority", "metricsPrefix": "vllm", "asyncScheduling": "off",
+        "quantization": "fp8",
         "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
         "modelImpl": "transformers", "revision": "v1.2", "dtype": "bfloat16", "device": "cuda", "blockSize": 32,
         "maxConcurrentStreams": 4096, "limits": {"maxN": 4, "maxPromptBytes": 1 << 19, "maxMessages": 64,
