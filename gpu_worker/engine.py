@@ -68,6 +68,7 @@ class LLMEngine:
         self.beam_groups: dict[str, BeamGroup] = {}     # caller id -> its beam search
         self.pending: list[StreamDelta] = []            # abort notices for the next step
         self.generation_tokens = 0
+        self.request_prompt_tokens = self.request_cached_tokens = 0
         self.num_steps, self.step_seconds = 0, 0.0
         self.in_flight: tuple[SchedulerOutput, Optional[InFlight]] | None = None   # launched, not collected
         self.async_scheduling = uses_async_scheduling(config, self.runner.device.type)
@@ -363,6 +364,10 @@ class LLMEngine:
         collected = [(req, flags.get(req.req_id, 0), len(spec[req.req_id]) if req.req_id in spec else 1)
                      for req in advanced]
         self.generation_tokens += sum(n for _, _, n in collected) if spec else len(advanced)
+        for req, _, n in collected:
+            if len(req.output_token_ids) == n:      # its first tokens: its prompt counts, once
+                self.request_prompt_tokens += len(req.prompt_token_ids)
+                self.request_cached_tokens += max(0, req.num_cached_tokens)
         ended = [req.req_id for req, f, _ in collected if f]
         if ended:   # out of the scheduler before the next step is scheduled; text comes later
             self.scheduler.finish_requests(ended, RequestStatus.FINISHED_LENGTH)
@@ -474,6 +479,7 @@ class LLMEngine:
             tokens_stored=sum(r.num_computed_tokens for r in s.running),
             blocks_held=self.num_blocks - free, block_size=self.block_size, num_steps=self.num_steps,
             step_seconds=self.step_seconds, max_num_batched_tokens=self.max_num_batched_tokens,
+            request_prompt_tokens=self.request_prompt_tokens, request_cached_tokens=self.request_cached_tokens,
             **self._spec_stats())
 
     def _spec_stats(self) -> dict:

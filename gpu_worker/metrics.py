@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from protos.metrics_http import start_metrics_server
 
 if TYPE_CHECKING:     # outputs imports torch; the metrics need only the field names
     from gpu_worker.outputs import EngineStats
@@ -28,7 +30,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 PREFIXES = ("pagoda", "vllm")
 # Where vLLM's name differs from ours (vLLM v1's PrometheusStatLogger), and ours it lacks.
 _VLLM_NAMES = {"inter_token_latency_seconds": "time_per_output_token_seconds"}
-_PAGODA_ONLY = {"num_kv_blocks", "num_free_kv_blocks"}
+_PAGODA_ONLY = {"num_kv_blocks", "num_free_kv_blocks", "prefill_tokens_computed"}
 
 
 class _Naming:
@@ -73,7 +75,18 @@ class _EngineCollector:
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("num_preemptions", "Preemptions (requests sent back to recompute).", s.preemptions)
-        yield counter("prompt_tokens", "Prefill tokens computed.", s.prompt_tokens)
+        # As vLLM: a request's whole prompt, computed or cached, once it starts generating.
+        yield counter("prompt_tokens", "Prompt tokens of requests, computed or served from the prefix cache.",
+                      s.request_prompt_tokens)
+        by_source = CounterMetricFamily(n("prompt_tokens_by_source"), "Prompt tokens of requests by source.",
+                                        labels=n.labels + ["source"])
+        by_source.add_metric(n.values + ["local_compute"], s.request_prompt_tokens - s.request_cached_tokens)
+        by_source.add_metric(n.values + ["local_cache_hit"], s.request_cached_tokens)
+        yield by_source
+        yield counter("prompt_tokens_cached", "Prompt tokens of requests served from the prefix cache.",
+                      s.request_cached_tokens)
+        yield counter("prefill_tokens_computed", "Prefill tokens computed (recompute after preemption "
+                      "included).", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         if s.spec_num_drafts is not None:       # speculative decoding on
             yield counter("spec_decode_num_drafts", "Speculative proposals verified (one per sequence "
@@ -110,7 +123,7 @@ class WorkerMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Starts the HTTP exporter in a daemon thread; returns the bound port."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._server = start_metrics_server(port, host, self.registry)
         return self._server.server_port
 
     def stop(self) -> None:

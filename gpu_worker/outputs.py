@@ -145,6 +145,10 @@ class EngineStats:
     num_steps: int = 0                # cumulative steps that ran the model
     step_seconds: float = 0.0         # cumulative wall time of those steps (the publisher fits rates to it)
     max_num_batched_tokens: int = 0   # token budget of one step
+    # vLLM's prompt_tokens: each request's whole prompt, computed or cached, counted once when its
+    # first token comes (prompt_tokens above counts prefill computed, recompute after preemption too).
+    request_prompt_tokens: int = 0    # cumulative
+    request_cached_tokens: int = 0    # cumulative, of those: served from the prefix cache
     # Speculative decoding, cumulative (vLLM's spec_decode_* counters); None when it is off.
     spec_num_drafts: Optional[int] = None
     spec_num_draft_tokens: int = 0

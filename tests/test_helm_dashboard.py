@@ -23,6 +23,7 @@ def exported_names() -> set[str]:
 
     stats = SimpleNamespace(running=0, waiting=0, kv_usage=0.0, num_blocks=1, free_blocks=1, preemptions=0,
                             prefix_cache_queries=0, prefix_cache_hits=0, prompt_tokens=0, generation_tokens=0,
+                            request_prompt_tokens=0, request_cached_tokens=0,
                             spec_num_drafts=0, spec_num_draft_tokens=0, spec_num_accepted_tokens=0,
                             spec_accepted_per_pos=(0,))
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"], "gauge": [""]}

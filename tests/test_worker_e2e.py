@@ -250,7 +250,9 @@ def test_vllm_metrics_prefix_serves_vllms_names_and_labels(start_worker, tiny_mo
     (v1 PrometheusStatLogger) with its labels model_name and engine."""
     w = start_worker(tiny_model, **{**TINY_WORKER_FLAGS, "metrics_prefix": "vllm", "served_model_name": "tiny"})
     with PagodaClient(w.address, retries=0) as c:
-        c.complete(PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True)
+        first = c.complete(PROMPT * 4, max_tokens=3, temperature=0.0, ignore_eos=True).usage
+        # The same prompt again: its full blocks come from the prefix cache.
+        again = c.complete(PROMPT * 4, max_tokens=3, temperature=0.0, ignore_eos=True).usage
     text = urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=5).read().decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}
@@ -261,11 +263,24 @@ def test_vllm_metrics_prefix_serves_vllms_names_and_labels(start_worker, tiny_mo
                  "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
                  "vllm:e2e_request_latency_seconds_count"):
         assert (name, labels) in samples, name
-    assert samples["vllm:generation_tokens_total", labels] == 3
-    assert samples["vllm:e2e_request_latency_seconds_count", labels] == 1
-    assert samples["vllm:request_success_total", tuple(sorted((*labels, ("finished_reason", "length"))))] == 1
+    assert samples["vllm:generation_tokens_total", labels] == 6
+    assert samples["vllm:e2e_request_latency_seconds_count", labels] == 2
+    assert samples["vllm:request_success_total", tuple(sorted((*labels, ("finished_reason", "length"))))] == 2
+    # vLLM's prompt_tokens: every request's whole prompt, computed or cached, as its usage says;
+    # by source, what the cache served and what was computed.
+    assert again.cached_prompt_tokens > 0 and first.cached_prompt_tokens == 0
+    assert samples["vllm:prompt_tokens_total", labels] == first.prompt_tokens + again.prompt_tokens
+    cached = again.cached_prompt_tokens
+    assert samples["vllm:prompt_tokens_cached_total", labels] == cached
+    assert samples["vllm:prompt_tokens_by_source_total", (*labels, ("source", "local_cache_hit"))] \
+        == cached
+    assert samples["vllm:prompt_tokens_by_source_total", (*labels, ("source", "local_compute"))] \
+        == first.prompt_tokens + again.prompt_tokens - cached
+    # Prefill computed is pagoda's own figure: the uncached part of each prompt.
+    assert samples["pagoda:prefill_tokens_computed_total", labels] == first.prompt_tokens + again.prompt_tokens - cached
     assert not any(n.startswith("pagoda:") for n, _ in samples if n not in (
-        "pagoda:num_kv_blocks", "pagoda:num_free_kv_blocks"))     # vLLM has no name for these
+        "pagoda:num_kv_blocks", "pagoda:num_free_kv_blocks",
+        "pagoda:prefill_tokens_computed_total"))     # vLLM has no name for these
 
 
 def test_backpressure_then_sigterm_drains_and_exits_zero(start_worker, tiny_model, redis_server):
