@@ -36,16 +36,22 @@ log = logging.getLogger("gpu_worker.server")
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 _SCALARS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-            "skip_special_tokens")
+            "skip_special_tokens", "best_of", "length_penalty")
 
 
 def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
     """Only fields the caller set override the engine's defaults."""
     kw = {name: getattr(sp, name) for name in _SCALARS if sp.HasField(name)}
+    if sp.use_beam_search:
+        # As vLLM's OpenAI server used to: beams are ranked by log-probability, not drawn.
+        if kw.get("temperature", 0.0) != 0.0:
+            raise ValueError(f"temperature: must be 0 with use_beam_search (got {sp.temperature:g})")
+        kw["temperature"] = 0.0
     if sp.logit_bias:
         kw["logit_bias"] = dict(sp.logit_bias)
     return SamplingParams(stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-                          include_stop_str_in_output=sp.include_stop_str_in_output, **kw)
+                          include_stop_str_in_output=sp.include_stop_str_in_output,
+                          use_beam_search=sp.use_beam_search, **kw)
 
 
 class _Invalid(Exception):
@@ -171,6 +177,8 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
             resp.logprobs.append(pb.Logprobs(sampled=self._lp(lp.sampled), top=[self._lp(t) for t in lp.top]))
         for lp in d.prompt_logprobs or ():
             resp.prompt_logprobs.append(pb.Logprobs(sampled=self._lp(lp.sampled), top=[self._lp(t) for t in lp.top]))
+        if d.cumulative_logprob is not None:
+            resp.cumulative_logprob = d.cumulative_logprob
         if d.finished:
             resp.finish_reason = _FINISH.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
             if isinstance(d.stop_reason, str):

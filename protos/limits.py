@@ -77,6 +77,8 @@ def check_request(req, lim: Limits) -> None:
     sp = req.sampling
     if sp.HasField("n") and sp.n > lim.max_n:
         raise ValueError(f"n: at most {lim.max_n} sequences per request (got {sp.n}; {_flag('max_n')})")
+    if sp.HasField("best_of") and sp.best_of > lim.max_n:
+        raise ValueError(f"best_of: at most {lim.max_n} sequences per request (got {sp.best_of}; {_flag('max_n')})")
     if len(sp.logit_bias) > lim.max_logit_bias:
         raise ValueError(f"logit_bias: at most {lim.max_logit_bias} entries (got {len(sp.logit_bias)}; "
                          f"{_flag('max_logit_bias')})")

@@ -42,9 +42,10 @@ _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.
 # pagoda.v1 field names that an HTTP caller knows under another name.
 _PARAM_ALIASES = {"text": "prompt", "token_ids": "prompt"}
 
-_INT_PARAMS = ("n", "top_k", "seed", "min_tokens")
-_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_BOOL_PARAMS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_INT_PARAMS = ("n", "top_k", "seed", "min_tokens", "best_of")
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "length_penalty")
+_BOOL_PARAMS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search")
 _STRUCTURED = ("response_format", "guided_json", "guided_choice", "guided_regex")
 _COMMON = {"model", "max_tokens", "stop", "logit_bias", "stream", "stream_options", "user", "cache_salt",
            "priority", "stop_token_ids", "logprobs", *_STRUCTURED, *_INT_PARAMS, *_FLOAT_PARAMS, *_BOOL_PARAMS}
@@ -124,7 +125,21 @@ def _sampling(body: dict, kind: str) -> pb.SamplingParams:
             raise _bad("logit_bias", "must map token ids to numbers") from None
     _logprobs(body, kind, sp)
     _structured(body, sp)
+    if sp.use_beam_search:
+        _beam_search(body, sp)
     return sp
+
+
+def _beam_search(body: dict, sp: pb.SamplingParams) -> None:
+    """use_beam_search (vLLM's): best_of beams (n without it), the n best returned. What the
+    router can tell at once is refused here; the worker checks the rest by the same names."""
+    if body.get("stream") is True:
+        raise _bad("stream", "not allowed with use_beam_search (beams are ranked only when the search ends)")
+    if sp.HasField("temperature") and sp.temperature != 0:
+        raise _bad("temperature", f"must be 0 with use_beam_search (got {sp.temperature:g})")
+    n = sp.n if sp.HasField("n") else 1
+    if sp.HasField("best_of") and n > sp.best_of:
+        raise _bad("n", f"must be <= best_of with use_beam_search (got n={n}, best_of={sp.best_of})")
 
 
 def _logprobs(body: dict, kind: str, sp: pb.SamplingParams) -> None:

@@ -175,13 +175,61 @@ def test_documented_errors(client, stack):
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=stack["model"], prompt="hi", max_tokens=2, extra_body={"best_of": 3})
-    assert e.value.body["param"] == "best_of" and "unsupported" in e.value.message
+    assert e.value.body["param"] == "best_of" and "use_beam_search" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:       # the worker's own check, param named
         client.completions.create(model=stack["model"], prompt="hi", max_tokens=2, temperature=-1)
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=stack["model"], prompt="hi", max_tokens=2, top_p="high")
     assert e.value.body["param"] == "top_p"
+
+
+def test_beam_search_on_both_endpoints_and_grpc(client, stack, tiny_llm_factory):
+    """use_beam_search: the n best of best_of beams, as the offline LLM.beam_search ranks them."""
+    from gpu_worker.beam_search import BeamSearchParams
+    llm = tiny_llm_factory()
+    prompt = "The sea and the mountains"
+    want = llm.beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=8))[0].sequences
+    beam = {"use_beam_search": True, "best_of": 4}
+    out = client.completions.create(model=stack["model"], prompt=prompt, max_tokens=8, n=2, extra_body=beam)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [s.text for s in want[:2]]
+    assert out.usage.completion_tokens == sum(len(s.output_token_ids) for s in want[:2])
+    # Without best_of, n is the beam width.
+    out = client.completions.create(model=stack["model"], prompt=prompt, max_tokens=8, n=4,
+                                    extra_body={"use_beam_search": True, "length_penalty": 1.0})
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [s.text for s in want]
+    chat_out = client.chat.completions.create(model=stack["model"], messages=chat(), max_tokens=6, n=2,
+                                              extra_body=beam)
+    assert len(chat_out.choices) == 2 and chat_out.choices[0].message.content != chat_out.choices[1].message.content
+    assert {c.finish_reason for c in chat_out.choices} <= {"stop", "length"}
+    # gRPC: each beam whole in one final response, with its cumulative log-probability.
+    ids = llm.tokenizer.encode_text(prompt)
+    with grpc.insecure_channel(stack["workers"][0].address) as ch:
+        resps = list(pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+            token_ids=ids, sampling=pb.SamplingParams(n=3, best_of=4, use_beam_search=True, max_tokens=8)),
+            timeout=60))
+    assert sorted(r.index for r in resps) == [0, 1, 2] and all(r.finished for r in resps)
+    by_index = sorted(resps, key=lambda r: r.index)
+    assert [list(r.token_ids) for r in by_index] == [s.output_token_ids for s in want[:3]]
+    assert [r.cumulative_logprob for r in by_index] == pytest.approx([s.cum_logprob for s in want[:3]], abs=1e-4)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stream": True}, "stream"),
+    ({"temperature": 0.7}, "temperature"),
+    ({"n": 3, "best_of": 2}, "n"),
+    ({"top_p": 0.5}, "top_p"),                   # the worker's own check
+    ({"logprobs": 2}, "logprobs"),
+    ({"use_beam_search": "yes"}, "use_beam_search"),
+])
+def test_beam_search_bad_combinations_name_the_field(client, stack, extra, param):
+    body = {"model": stack["model"], "prompt": "hi", "max_tokens": 4, "use_beam_search": True, "n": 2, **extra}
+    req = urllib.request.Request(stack["base"] + "/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    err = json.load(e.value)["error"]
+    assert e.value.code == 400 and err["param"] == param, err
 
 
 def test_client_disconnect_frees_the_workers_blocks(client, stack):
