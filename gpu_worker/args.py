@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--kv-cache-memory", default=None, help="bytes for the pool, e.g. 2GiB")
     pool.add_argument("--num-kv-blocks", type=int, default=None)
     pool.add_argument("--gpu-memory-utilization", type=float, default=_D["gpu_memory_utilization"])
+    pool.add_argument("--kv-offloading-size", type=_gib, default=_D["kv_offloading_size"], metavar="GIB",
+                      help="host-memory KV tier in GiB (pinned on CUDA; 0 = off): prefix-cache blocks evicted "
+                           "from the device pool are kept there and copied back on a hit")
+    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=_D["preemption_mode"],
+                   help="swap: a preempted request's KV goes to the host tier (--kv-offloading-size) and back "
+                        "instead of being recomputed (recompute when the tier is full)")
     p.add_argument("--tensor-parallel-size", type=int, default=_D["tensor_parallel_size"],
                    help="split the model over this many ranks (one GPU each; gloo processes on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=_D["max_num_seqs"])
@@ -92,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB >= 0 (got {text!r})")
+    return value
+
+
 def _speculative_config(text: str):
     # Checked while parsing, so a bad key is named before the model loads.
     try:
@@ -129,4 +145,5 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,
                 speculative_config=args.speculative_config, enable_lora=args.enable_lora,
                 lora_modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                quantization=args.quantization)
+                quantization=args.quantization, kv_offloading_size=args.kv_offloading_size,
+                preemption_mode=args.preemption_mode)

@@ -7,10 +7,16 @@ before cached ones. Only when the block
 is handed out as a new block is its hash dropped: that is the "removed" event. The free
 list is an intrusive doubly linked list so that reviving a cached block from the middle
 of it is O(1).
+
+With a host tier (gpu_worker/host_tier.py), a cached block handed out again is first queued
+for a copy to a host slot that keeps its hash; `copies` collects those (and the manager's
+reloads) in order until the scheduler hands them to the runner with the step.
 """
 from __future__ import annotations
 
 from typing import Iterable, Iterator, Optional
+
+from gpu_worker.host_tier import HostBlockPool, KVCopy
 
 
 class KVCacheBlock:
@@ -80,7 +86,7 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, host: Optional[HostBlockPool] = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks: the KV pool needs at least one block (got {num_blocks})")
         self.num_blocks = num_blocks
@@ -89,6 +95,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.events: list[tuple[str, bytes]] = []
+        self.host = host if enable_caching else None
+        self.copies: list[KVCopy] = []
 
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now: free, including cached ones with no owner."""
@@ -120,6 +128,10 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
                 self.events.append(("removed", block.block_hash))
+                if self.host is not None:
+                    slot = self.host.store(block.block_hash)
+                    if slot is not None:
+                        self.copies.append(KVCopy(True, block.block_id, slot))
             block.block_hash = None
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], hashes: list[bytes],
@@ -163,11 +175,17 @@ class BlockPool:
             b.block_hash = None
             self.events.append(("removed", h))
         self.cached.clear()
+        if self.host is not None:
+            self.host.reset()
         return True
 
     def take_events(self) -> list[tuple[str, bytes]]:
         events, self.events = self.events, []
         return events
+
+    def take_tier_copies(self) -> list[KVCopy]:
+        copies, self.copies = self.copies, []
+        return copies
 
     def cached_hashes(self) -> list[bytes]:
         return list(self.cached)

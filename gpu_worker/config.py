@@ -89,6 +89,12 @@ class EngineConfig:
     # quantized one by its config.json quantization_config); fp8 quantizes a bf16/fp16/fp32
     # checkpoint at load; any value must match a quantized checkpoint's quant_method.
     quantization: Optional[str] = None
+    # Host-memory KV tier, GiB (vLLM's --kv-offloading-size; 0 = off): prefix-cache blocks the
+    # device pool evicts are kept there and copied back on a hit (gpu_worker/host_tier.py).
+    kv_offloading_size: float = 0.0
+    # What a preempted request loses: recompute (its KV, from the prefix cache where it can) or
+    # swap (its KV goes to the host tier and back; recompute when the tier is full).
+    preemption_mode: str = "recompute"          # recompute | swap
 
     def __post_init__(self):
         if self.served_model_name is None:
@@ -116,6 +122,15 @@ class EngineConfig:
         if (not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool)
                 or self.tensor_parallel_size < 1):
             raise ValueError(f"tensor_parallel_size: must be a positive integer (got {self.tensor_parallel_size!r})")
+        size = self.kv_offloading_size
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 <= size < float("inf"):
+            raise ValueError(f"kv_offloading_size: must be a finite number of GiB >= 0 (got {size!r})")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode: must be recompute or swap (got {self.preemption_mode!r})")
+        if self.preemption_mode == "swap" and not size:
+            raise ValueError("preemption_mode: swap needs a host tier (kv_offloading_size > 0)")
+        if size and self.tensor_parallel_size != 1:
+            raise ValueError("kv_offloading_size: not with tensor_parallel_size > 1 (yet)")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         self.speculative_config = parse_speculative_config(self.speculative_config)
@@ -125,6 +140,9 @@ class EngineConfig:
                 raise ValueError("async_scheduling: speculative_config needs it off or auto")
             if self.tensor_parallel_size != 1:
                 raise ValueError("speculative_config: not with tensor_parallel_size > 1 (yet)")
+            if size and self.speculative_config.method == "draft_model":
+                # The draft's own pool shares block ids; its blocks would need the tier too.
+                raise ValueError("kv_offloading_size: not with a draft model (speculative_config) yet")
         self._check_lora()
         env = os.environ.get("PAGODA_ATTENTION")
         if env:

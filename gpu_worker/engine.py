@@ -57,12 +57,15 @@ class LLMEngine:
         self.runner.allocate_kv_cache(self.num_blocks)
         self.runner.warm_up()  # kernels compile now, not on the first requests
         self.max_num_batched_tokens = config.token_budget(self.max_model_len)
-        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.num_host_blocks = self.runner.num_host_blocks()
+        self.runner.allocate_host_cache(self.num_host_blocks)
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching,
+                                 self.num_host_blocks)
         spec = config.speculative_config
         drafter = Drafter(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.scheduling_policy, self.max_model_len, drafter,
-                                   config.max_loras if config.enable_lora else 0)
+                                   config.max_loras if config.enable_lora else 0, config.preemption_mode)
         self.detokenizers: dict[str, Detokenizer] = {}
         self.children: dict[str, list[Request]] = {}    # caller id -> its live sequences
         self.beam_groups: dict[str, BeamGroup] = {}     # caller id -> its beam search
@@ -80,6 +83,10 @@ class LLMEngine:
                     "max_model_len=%d: %.2f requests; token budget per step %d",
                     self.num_blocks, self.block_size, capacity, self.max_model_len,
                     capacity / self.max_model_len, self.max_num_batched_tokens)
+        if self.num_host_blocks:
+            logger.info("host KV tier: %d blocks = %d tokens (%.2f GiB); preemption by %s",
+                        self.num_host_blocks, self.num_host_blocks * self.block_size,
+                        config.kv_offloading_size, config.preemption_mode)
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -334,8 +341,11 @@ class LLMEngine:
             if out.scheduled:
                 self.in_flight = (out, self._guarded(self.runner.launch, out))
             else:
-                # Nothing fits this step; the runner hears about departures next time.
+                # Nothing fits this step; the runner hears about departures next time. Copies
+                # queued meanwhile (a swap-out) run now, before any later step's.
                 self.scheduler.finished_req_ids |= out.finished_req_ids
+                if out.kv_copies:
+                    self._guarded(self.runner.copy_tier_blocks, out.kv_copies)
         if prev is not None:
             collected = self._collect(prev)
         if not self.async_scheduling and self.in_flight is not None:

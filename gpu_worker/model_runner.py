@@ -22,6 +22,7 @@ from gpu_worker import distributed
 from gpu_worker.attention import AttentionMetadata, resolve_backend, select_backend
 from gpu_worker.config import EngineConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
+from gpu_worker.host_tier import KVCopy
 from gpu_worker.input_batch import InputBatch, PromptScores, StepInputs
 from gpu_worker.loader import load_hf_config, load_model, resolve_dtype, resolve_model
 from gpu_worker.lora import LoRAManager
@@ -54,6 +55,24 @@ class InFlight:
     # tokens and accepted drafts.
     spec_req_ids: Optional[list[str]] = None
     spec: Optional[Verified] = None
+
+
+def _runs(copies: list[KVCopy]):
+    """The copies as (to_host, device ids, host ids) runs of one direction that each write a
+    block at most once, in order: within a run the batched index copies are then exact."""
+    run: tuple[bool, list[int], list[int]] | None = None
+    written: set[int] = set()
+    for c in copies:
+        dst = c.host_block if c.to_host else c.device_block
+        if run is None or run[0] != c.to_host or dst in written:
+            if run is not None:
+                yield run
+            run, written = (c.to_host, [], []), set()
+        run[1].append(c.device_block)
+        run[2].append(c.host_block)
+        written.add(dst)
+    if run is not None:
+        yield run
 
 
 def load_tokenizer(model_path: str) -> PromptTokenizer:
@@ -112,6 +131,11 @@ class ModelRunner:
         self.num_layers = len(self.model.attention_layers())
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The host tier's pool (allocate_host_cache): per layer (K, V) [blocks, heads, block, dim],
+        # the device pool's storage layout, so one block is one contiguous slice on each side.
+        self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.copy_stream: Any = None
+        self.copy_seconds, self.copied_blocks = 0.0, 0    # cumulative, for the copy rate
         self.sampler = Sampler()
         self.last_draw: torch.Tensor | None = None     # token ids of the last launched step, on the device
         self.graphs: DecodeGraphs | None = None  # captured by warm_up on CUDA
@@ -310,6 +334,71 @@ class ModelRunner:
             layer.bind(k, v, self.write_fn, self.attend_fn)
             self.kv_caches.append((k, v))
 
+    # ---- host tier ------------------------------------------------------------------------
+
+    def num_host_blocks(self) -> int:
+        """Blocks of the host tier that kv_offloading_size (GiB) buys; 0 when it is off."""
+        size = self.config.kv_offloading_size
+        if not size:
+            return 0
+        n = int(size * 2**30 // self.bytes_per_block())
+        if n < 1:
+            raise ValueError(f"kv_offloading_size: {size} GiB holds no block of "
+                             f"{self.bytes_per_block()} bytes")
+        return n
+
+    def allocate_host_cache(self, num_blocks: int) -> None:
+        """The host tier's tensors: pinned on CUDA (copies run on their own stream), a second
+        plain pool on CPU."""
+        pin = self.device.type == "cuda"
+        shape = (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        self.host_caches = [(torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin),
+                             torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin))
+                            for _ in range(self.num_layers)] if num_blocks else []
+        self.copy_stream = torch.cuda.Stream(self.device) if pin and num_blocks else None
+
+    def _device_stores(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # new_kv_cache's view is [blocks, block, heads, dim] over [blocks, heads, block, dim].
+        return [(k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)) for k, v in self.kv_caches]
+
+    @torch.inference_mode()
+    def copy_tier_blocks(self, copies: list[KVCopy]) -> None:
+        """Run the queued copies between the pools, in order, before anything later on the
+        device reads or writes those blocks. CPU: done on return. CUDA: on the copy stream, after
+        the work already queued (a block copied out may be written by a step still running),
+        and the step's forward waits for them; the host never waits."""
+        if not copies:
+            return
+        start = time.perf_counter()
+        stores = self._device_stores()
+        if self.copy_stream is None:
+            for to_host, dev, host in _runs(copies):
+                d, h = torch.tensor(dev), torch.tensor(host)
+                for (dk, dv), (hk, hv) in zip(stores, self.host_caches):
+                    if to_host:
+                        hk.index_copy_(0, h, dk.index_select(0, d))
+                        hv.index_copy_(0, h, dv.index_select(0, d))
+                    else:
+                        dk.index_copy_(0, d, hk.index_select(0, h))
+                        dv.index_copy_(0, d, hv.index_select(0, h))
+        else:
+            main = torch.cuda.current_stream(self.device)
+            self.copy_stream.wait_stream(main)
+            with torch.cuda.stream(self.copy_stream):
+                for c in copies:
+                    for (dk, dv), (hk, hv) in zip(stores, self.host_caches):
+                        if c.to_host:
+                            hk[c.host_block].copy_(dk[c.device_block], non_blocking=True)
+                            hv[c.host_block].copy_(dv[c.device_block], non_blocking=True)
+                        else:
+                            dk[c.device_block].copy_(hk[c.host_block], non_blocking=True)
+                            dv[c.device_block].copy_(hv[c.host_block], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+            main.wait_event(done)
+        self.copy_seconds += time.perf_counter() - start
+        self.copied_blocks += len(copies)
+
     # ---- one step ---------------------------------------------------------------------
 
     def _run_model(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, StepInputs]:
@@ -386,6 +475,8 @@ class ModelRunner:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.batch.update(out)
+        # The tier's copies first: a copy-on-write target may be a block whose old KV goes out.
+        self.copy_tier_blocks(out.kv_copies)
         if out.block_copies:
             self.copy_blocks(out.block_copies)
         if self.draft is not None:

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from gpu_worker.host_tier import KVCopy
 from gpu_worker.sampling_params import SamplingParams
 
 
@@ -51,6 +52,9 @@ class SchedulerOutput:
     # (src, dst) block copies to do before the forward: copy-on-write of blocks forked
     # sequences shared (beam search).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Block copies between the device pool and the host tier, to run in this order before the
+    # step's forward (gpu_worker/host_tier.py).
+    kv_copies: list[KVCopy] = field(default_factory=list)
 
 
 @dataclass

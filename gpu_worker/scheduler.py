@@ -3,7 +3,9 @@
 One token budget per step (max_num_batched_tokens), spent on running requests first, then
 on waiting ones; long prompts are prefilled in chunks. When blocks run out a running
 request is preempted by recompute: its blocks are freed and it goes back to the front of
-the queue (its full blocks usually stay in the prefix cache, so recompute is cheap). Under
+the queue (its full blocks usually stay in the prefix cache, so recompute is cheap); in swap
+mode its computed blocks are copied to the host tier instead and back when it resumes, with
+recompute as the fallback when the host tier cannot take them. Under
 the priority policy a waiting request that finds no blocks or sequence slot preempts running
 requests of lower priority, lowest first.
 
@@ -25,7 +27,7 @@ import heapq
 from collections import deque
 from typing import Iterable
 
-from gpu_worker.kv_cache_manager import KVCacheManager
+from gpu_worker.kv_cache_manager import CachedBlock, KVCacheManager
 from gpu_worker.outputs import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
 from gpu_worker.request import Request, RequestStatus
 from gpu_worker.spec_decode import Drafter, SpecStats
@@ -71,11 +73,13 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", max_model_len: int | None = None, drafter: Drafter | None = None,
-                 max_loras: int = 0):
+                 max_loras: int = 0, preemption_mode: str = "recompute"):
         self.kv = kv
         # Multi-LoRA: at most this many distinct adapters hold runner rows at once (the device
         # has that many slots); 0: no adapters.
         self.max_loras = max_loras
+        self.preemption_mode = preemption_mode
+        self.num_swaps = 0
         # Speculative decoding: a decoding request may compute drafted tokens after its own.
         self.drafter = drafter
         self.drafts: dict[str, list[int]] = {}      # this step's drafts, per request
@@ -182,9 +186,15 @@ class Scheduler:
                     adapters = self._adapters_in_batch()
                 if req.lora not in adapters and len(adapters) >= self.max_loras:
                     break   # every adapter slot is taken by running requests: wait for one to free
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            swapped = self.kv.is_swapped(req)
+            hits: list[CachedBlock] = []
+            if swapped:
+                num_hit = req.num_computed_tokens
+            else:
+                hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
-            if len(self.running) >= self.max_num_seqs or self.kv.allocate_slots(req, n, hits) is None:
+            if len(self.running) >= self.max_num_seqs or (
+                    self.kv.swap_in(req, n) if swapped else self.kv.allocate_slots(req, n, hits)) is None:
                 # Under the priority policy a better request takes the place of a worse one.
                 victim = self._worse_running(req)
                 if victim is None:
@@ -198,8 +208,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
-            self.prefix_cache_queries += req.num_tokens
-            self.prefix_cache_hits += num_hit
+            if not swapped:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_hit
             self.running.append(req)
             chunks[req.req_id] = n
             budget -= n
@@ -239,9 +250,12 @@ class Scheduler:
         if req.beam_ready is not None:
             return self._release(req)
         self.running.remove(req)
-        self.kv.free(req)
+        if self.preemption_mode == "swap" and self.kv.swap_out(req):
+            self.num_swaps += 1     # its KV comes back from the host: num_computed_tokens stands
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         self.num_preemptions += 1
         self.blocks_sent.pop(req.req_id, None)
         if not req.num_output_placeholders:     # else when its token lands (update_from_output)
@@ -286,7 +300,7 @@ class Scheduler:
             if sample:
                 req.num_output_placeholders += 1
         out = SchedulerOutput(scheduled=scheduled, new=new, finished_req_ids=self.finished_req_ids,
-                              block_copies=self.kv.take_copies())
+                              block_copies=self.kv.take_copies(), kv_copies=self.kv.take_tier_copies())
         self.finished_req_ids = set()
         return out
 

@@ -401,6 +401,8 @@ SCHEMA_REFUSES = [
     ({"workerDefaults": {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}}},
      "/workerDefaults"),
     ({"workerDefaults": {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 0}}}, "/workerDefaults"),
+    ({"workerDefaults": {"kvOffloadingSize": -1}}, "/workerDefaults"),
+    ({"workerDefaults": {"preemptionMode": "drop"}}, "/workerDefaults"),
 ]
 
 
@@ -425,6 +427,7 @@ TEMPLATE_REFUSES = [
     ({"workerDefaults": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": 0}}}, "rollingUpdate"),
     ({"workerDefaults": {"asyncScheduling": "on", "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 2}}},
      "speculativeConfig: needs asyncScheduling auto or off"),
+    ({"workerDefaults": {"preemptionMode": "swap"}}, "preemptionMode: swap needs kvOffloadingSize > 0"),
 ]
 
 

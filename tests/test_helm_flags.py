@@ -100,6 +100,7 @@ def test_values_map_one_to_one_onto_flags():
                    "max_waiting": w["maxWaiting"], "heartbeat_interval": w["heartbeatInterval"],
                    "snapshot_interval": w["snapshotInterval"], "scheduling_policy": "priority", "async_scheduling": "off",
                    "quantization": "fp8",
+                   "kv_offloading_size": 4.5, "preemption_mode": "swap",
                    "speculative_config": SpeculativeConfig("ngram", 3, prompt_lookup_max=4, prompt_lookup_min=4),
                    "metrics_prefix": "vllm", "model_impl": "transformers", "revision": "v1.2",
                    "dtype": "bfloat16", "block_size": 32, "no_prefix_caching": True, "enforce_eager": True, "port": 50051,

@@ -33,6 +33,10 @@ def no_block_leaks():
         pool = e.kv.pool
         assert pool.num_free_blocks() == pool.num_blocks, "free list lost blocks"
         assert e.kv.req_to_blocks == {}
+        host = e.kv.host
+        if host is not None:      # every host slot free or cached: none held by a swap or pinned
+            assert not host.swapped and not host.pinned and not e.kv.swapped_tokens
+            assert len(host.free) + len(host.cached) == host.num_blocks, "host tier lost slots"
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,7 @@ EVERYTHING = {
         "schedulingPolicy": "priority", "metricsPrefix": "vllm", "asyncScheduling": "off",
         "quantization": "fp8",
         "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
+        "kvOffloadingSize": 4.5, "preemptionMode": "swap",
         "modelImpl": "transformers", "revision": "v1.2", "dtype": "bfloat16", "device": "cuda", "blockSize": 32,
         "maxConcurrentStreams": 4096, "limits": {"maxN": 4, "maxPromptBytes": 1 << 19, "maxMessages": 64,
                                                   "maxPromptTokens": 8192, "maxLogitBias": 100, "maxStop": 8,
