@@ -96,6 +96,7 @@ class AsyncLLM:
         self._cached: dict[bytes, None] = {}     # insertion-ordered set of cached hashes
         self._closed = False
         self._lora_adapters: tuple[str, ...] = tuple(self.engine.lora_adapters())
+        self._lora_resident: tuple[str, ...] = ()
         self.fatal: BaseException | None = None   # set when the engine can never step again
         tp = getattr(self.engine.runner, "tp", None)
         if tp is not None:
@@ -176,6 +177,10 @@ class AsyncLLM:
     def lora_adapters(self) -> list[str]:
         """Adapters requests may name (a copy taken in one step, without waiting on the engine)."""
         return list(self._lora_adapters)
+
+    def lora_resident(self) -> list[str]:
+        """Those of them in a device slot after the engine's last turn."""
+        return list(self._lora_resident)
 
     async def load_lora_adapter(self, name: str, path: str) -> list[str]:
         """Read a PEFT adapter (in a worker thread: the engine keeps stepping meanwhile), then
@@ -265,6 +270,9 @@ class AsyncLLM:
     def _publish(self) -> None:
         events = self.engine.take_kv_events()
         stats = self.engine.stats()
+        lora = self.engine.runner.lora
+        if lora is not None:
+            self._lora_resident = tuple(lora.resident())
         if events:
             with self._out_lock:
                 self._events.extend(events)

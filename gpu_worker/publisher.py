@@ -169,7 +169,16 @@ class Publisher:
                         free_blocks=st.free_blocks, seq=self.seq, ts=time.time(),
                         prefill_tps=self.rates.prefill_tps, decode_tps=self.rates.decode_tps,
                         step_s=self.rates.step_s, max_batched_tokens=getattr(st, "max_num_batched_tokens", 0),
-                        name=self.name, tokenizer_digest=self.tokenizer_digest)
+                        name=self.name, tokenizer_digest=self.tokenizer_digest, **self._adapters())
+
+    def _adapters(self) -> dict:
+        """The engine's LoRA adapters, bounded as the schema bounds them (test stand-ins have none)."""
+        names = getattr(self.engine, "lora_adapters", None)
+        if names is None:
+            return {}
+        loaded = names()[:rs.MAX_LORA_ADAPTERS]
+        resident = set(self.engine.lora_resident())
+        return dict(lora_adapters=loaded, lora_resident=[n for n in loaded if n in resident])
 
     async def _snapshot(self) -> None:
         key, ttl = rs.snapshot_key(self.worker_id), int(max(self.lease_ttl_s, 3 * self.snapshot_s) * 1000)

@@ -93,6 +93,10 @@ class Lease:
     max_batched_tokens: int = 0
     name: str = ""          # stable name for metric labels (pod or --worker-name), unlike worker_id
     tokenizer_digest: str = ""   # PromptTokenizer.digest of the tokenizer the worker serves
+    # Multi-LoRA: the adapters requests may name here (at most MAX_LORA_ADAPTERS), and those of
+    # them already in a device slot (no load before the first step).
+    lora_adapters: list[str] = field(default_factory=list)
+    lora_resident: list[str] = field(default_factory=list)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -130,15 +134,22 @@ class Lease:
 # Speed figures feed the router's arithmetic directly: out-of-range values are refused, not used.
 _LEASE_BOUNDS = {"prefill_tps": (0.0, 1e9), "decode_tps": (0.0, 1e9), "step_s": (0.0, 60.0),
                  "max_batched_tokens": (0, 1 << 24)}
-MAX_LEASE_BYTES = 16 << 10
+MAX_LEASE_BYTES = 48 << 10
 MAX_TEXT = 512                      # worker ids, model names, addresses
+MAX_LORA_ADAPTERS = 64              # names in each of a lease's adapter lists
+MAX_ADAPTER_NAME = 256              # as protos.limits' max_id_bytes
 _MAX_INT = (1 << 63) - 1
 
 
 def _checked(name: str, value, kind: str):
     """One field against its annotated type: str (bounded), int (non-negative, not a bool)
     or float (finite, non-negative)."""
-    if kind == "str":
+    if kind == "list[str]":
+        if not isinstance(value, list) or len(value) > MAX_LORA_ADAPTERS or not all(
+                isinstance(v, str) and 0 < len(v) <= MAX_ADAPTER_NAME for v in value):
+            raise ValueError(f"{name} must be a list of at most {MAX_LORA_ADAPTERS} names of 1 to "
+                             f"{MAX_ADAPTER_NAME} characters")
+    elif kind == "str":
         if not isinstance(value, str) or len(value) > MAX_TEXT:
             raise ValueError(f"{name} must be a string of at most {MAX_TEXT} characters")
     elif kind == "int":

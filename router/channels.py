@@ -33,6 +33,10 @@ class WorkerChannels:
     def stub(self, address: str) -> pb_grpc.GenerationStub:
         return self._entry(address)[1]
 
+    def admin(self, address: str) -> pb_grpc.AdminStub:
+        """The worker's Admin service, on the same channel (calls carry self.metadata: the router's key)."""
+        return pb_grpc.AdminStub(self._entry(address)[0])
+
     def generate(self, address: str) -> grpc.aio.UnaryStreamMultiCallable:
         """Generate on the worker at `address`, its responses as the bytes it sent: the proxy
         relays them without decoding and encoding each again (router/proxy.py)."""

@@ -47,6 +47,8 @@ class Cluster:
         # tokenizer (`version` counts those changes): every request asks, and at 1,000 workers a
         # scan of them all was a tenth of a decision.
         self._by_model: dict[str, list[WorkerState]] | None = None
+        self._adapters: dict[str, str] = {}
+        self._by_adapter: dict[tuple[str, str], list[WorkerState]] = {}
         self.version = 0
         self.cursors: dict[str, str] = {}        # model -> last stream id read
         self.load_cursors: dict[str, str] = {}   # model -> last load stream id read
@@ -74,22 +76,49 @@ class Cluster:
     def models(self) -> list[str]:
         return list(self._grouped())
 
+    def adapters(self) -> dict[str, str]:
+        """LoRA adapter -> the base model whose workers serve it (the first by name, should two
+        models' workers both have one of that name)."""
+        self._grouped()
+        return self._adapters
+
+    def adapter_workers(self, model: str, adapter: str) -> list[WorkerState]:
+        """The model's live workers that serve `adapter`."""
+        key = (model, adapter)
+        found = self._by_adapter.get(key)
+        if found is None:
+            found = self._by_adapter[key] = [w for w in self.live(model) if adapter in w.lease.lora_adapters]
+        return found
+
     def _grouped(self) -> dict[str, list[WorkerState]]:
         if self._by_model is None:
             groups: dict[str, list[WorkerState]] = {}
+            adapters: dict[str, str] = {}
             for w in self.workers.values():
                 groups.setdefault(w.lease.model, []).append(w)
             self._by_model = dict(sorted(groups.items()))
+            for model, ws in self._by_model.items():
+                for w in ws:
+                    for name in w.lease.lora_adapters:
+                        adapters.setdefault(name, model)
+            self._adapters = dict(sorted(adapters.items()))
+            self._by_adapter = {}
         return self._by_model
 
     def _membership_changed(self) -> None:
         self._by_model = None
         self.version += 1
 
+    def adapters_changed(self, w: WorkerState, names: list[str]) -> None:
+        """A worker's adapters as it just answered a load or unload (ahead of its next lease)."""
+        w.lease.lora_adapters = list(names)
+        self._membership_changed()
+
     def _report(self, w: WorkerState, lease: rs.Lease) -> None:
         before = w.lease
         w.on_heartbeat(lease)
-        if (w.lease.model, w.lease.tokenizer_digest) != (before.model, before.tokenizer_digest):
+        if (w.lease.model, w.lease.tokenizer_digest, w.lease.lora_adapters) != \
+                (before.model, before.tokenizer_digest, before.lora_adapters):
             self._membership_changed()
 
     def healthy(self, stale_after_s: float = 5.0) -> bool:

@@ -419,6 +419,8 @@ class OpenAIFront:
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/health", self.health)
+        self.app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        self.app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         self.runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -452,9 +454,76 @@ class OpenAIFront:
             self._identity(request)
         except ApiError as e:
             return e.response()
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "pagoda"}
-                for m in self.service.cluster.models()]
+        cluster = self.service.cluster
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "pagoda", "root": m, "parent": None}
+                for m in cluster.models()]
+        # As vLLM lists them: each LoRA adapter a model of its own, its parent the base model.
+        data += [{"id": name, "object": "model", "created": 0, "owned_by": "pagoda", "root": name, "parent": base}
+                 for name, base in cluster.adapters().items()]
         return web.json_response({"object": "list", "data": data})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/load_lora_adapter {lora_name, lora_path}: every live worker (of
+        `model`, when the body names one) registers the adapter; its path must be readable on
+        each of them."""
+        return await self._lora_admin(request, load=True)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/unload_lora_adapter {lora_name}: every live worker that serves it forgets it."""
+        return await self._lora_admin(request, load=False)
+
+    async def _lora_admin(self, request: web.Request, load: bool) -> web.Response:
+        try:
+            ident = self._identity(request)
+            if ident is not None and not ident.admin:
+                raise ApiError(403, "authorization: loading and unloading LoRA adapters needs an admin key",
+                               code="permission_denied")
+            try:
+                body = await request.json()
+            except ValueError as e:
+                raise ApiError(400, f"body: not valid JSON ({e})") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "body: must be a JSON object")
+            name, path, model = body.get("lora_name"), body.get("lora_path", ""), body.get("model")
+            if not isinstance(name, str) or not name:
+                raise _bad("lora_name", "must be a non-empty string")
+            if load and (not isinstance(path, str) or not path):
+                raise _bad("lora_path", "must be the adapter directory's path on the workers")
+            if model is not None and not isinstance(model, str):
+                raise _bad("model", "must be a string")
+            cluster = self.service.cluster
+            workers = [w for w in cluster.workers.values() if model is None or w.lease.model == model]
+            if not load:
+                workers = [w for w in workers if name in w.lease.lora_adapters]
+            if not workers:
+                raise ApiError(404 if not load else 503, f"lora_name: no live worker {'serves' if not load else 'to load'} "
+                               f"{name!r}" + (f" (model {model!r})" if model else ""), "lora_name")
+        except ApiError as e:
+            return e.response()
+
+        async def one(w):
+            admin = self.service.channels.admin(w.lease.address)
+            meta = self.service.channels.metadata
+            if load:
+                return await admin.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path),
+                                                   timeout=60, metadata=meta)
+            return await admin.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=name), timeout=60,
+                                                 metadata=meta)
+
+        results = await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)
+        failed = []
+        for w, r in zip(workers, results):
+            if isinstance(r, grpc.aio.AioRpcError):
+                failed.append(f"{w.name}: {r.details()}")
+            elif isinstance(r, BaseException):
+                raise r
+            else:
+                cluster.adapters_changed(w, list(r.adapters))
+        if failed:
+            return _bad("lora_path" if load and "lora_path" in failed[0] else "lora_name",
+                        f"{len(failed)} of {len(workers)} workers refused: " + "; ".join(failed)).response()
+        verb = "added" if load else "removed"
+        return web.Response(text=f"Success: LoRA adapter '{name}' {verb} successfully.")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completion")
@@ -475,6 +544,7 @@ class OpenAIFront:
             echo = kind == "completion" and body.get("echo") is True
             texts = [r.text if r.HasField("text") else None for r in reqs]
             max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+            asked = reqs[0].model      # an adapter's name stays the response's model
             prompts = [_Prompt(ids) for ids in await asyncio.gather(*(self._prepare(r, kind, max_name) for r in reqs))]
             if echo:
                 await self._echoes(reqs[0].model, prompts, texts)
@@ -484,7 +554,7 @@ class OpenAIFront:
         for p, req in enumerate(reqs):       # each prompt is a request of its own, routed on its own
             req.request_id = rid if len(reqs) == 1 else f"{rid}-{p}"
         head = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": reqs[0].model}
+                "created": int(time.time()), "model": asked or reqs[0].model}
         sp = reqs[0].sampling
         choices = _Choices(kind, sp.n if sp.HasField("n") else 1, prompts, echo and sp.HasField("logprobs"))
         async with contextlib.AsyncExitStack() as stack:
@@ -526,12 +596,14 @@ class OpenAIFront:
         """Resolve the model, tokenize, check the length, and fill defaults, in place; -> the
         prompt's token ids."""
         models = self.service.cluster.models()
-        if req.model and req.model not in models:
+        if req.model and req.model not in models and req.model not in self.service.cluster.adapters():
             if not models:
                 raise ApiError(503, "model: no live worker serves any model", "model")
             raise ApiError(404, f"model: the model {req.model!r} does not exist (served: {', '.join(models)})",
                            "model", "model_not_found")
         try:
+            model, req.adapter = self.service.prepare.resolve_adapter(req.model, req.adapter)
+            req.model = model
             model, ids, max_len = await self.service.tokenize(req)
         except RouterError as r:
             raise ApiError.from_reject(r) from None

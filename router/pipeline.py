@@ -42,7 +42,8 @@ class Pipeline:
         policy = self.select.scorer.policy
         try:
             p = await self.prepare.prepare(request, ident)
-            ranked = self.select.rank(p.model, p.workers, p.prompt_len, p.hashes, p.upstream.sampling.max_tokens)
+            ranked = self.select.rank(p.model, p.workers, p.prompt_len, p.hashes, p.upstream.sampling.max_tokens,
+                                      adapter=p.upstream.adapter)
         except RouterError:
             self.metrics.decisions.labels(policy, "rejected").inc()
             raise

@@ -89,9 +89,12 @@ class Preparer:
         arrived = time.perf_counter()
         try:
             check_request(request, self.limits)
-            model, workers = self.candidates(request.model)
+            model, adapter = self.resolve_adapter(request.model, request.adapter)
+            model, workers = self.candidates(model)
             pin = await self.pinned(model, workers)
             workers = self.same_tokenizer(model, workers, pin)
+            if adapter:
+                workers = self.with_adapter(model, adapter, workers)
             field, token_ids = await self.prompt_ids(pin, request)
             check_fits(field, len(token_ids), request.sampling, pin.info.max_model_len)
         except ValueError as e:
@@ -105,6 +108,7 @@ class Preparer:
         upstream.ClearField("messages")
         upstream.token_ids[:] = token_ids
         upstream.model = model
+        upstream.adapter = adapter
         if not upstream.request_id:
             upstream.request_id = uuid.uuid4().hex
         hashes = self.hashes(model, upstream.adapter, scoped_salt(ident, request.cache_salt), token_ids,
@@ -118,7 +122,7 @@ class Preparer:
         checks lengths itself."""
         try:
             check_request(request, self.limits)
-            model, workers = self.candidates(request.model)
+            model, workers = self.candidates(self.resolve_adapter(request.model, getattr(request, "adapter", ""))[0])
             pin = await self.pinned(model, workers)
             return model, (await self.prompt_ids(pin, request))[1], pin.info.max_model_len
         except ValueError as e:
@@ -141,6 +145,23 @@ class Preparer:
                 self._roots.clear()
             root = self._roots[names] = namespace_root(*names)
         return self.hasher.hashes(token_ids, block_size, root)
+
+    def resolve_adapter(self, model: str, adapter: str) -> tuple[str, str]:
+        """(model, adapter) a request is for: a model that names a LoRA adapter (as OpenAI
+        clients name one) is that adapter on its base model."""
+        base = self.cluster.adapters().get(model) if model not in self.cluster.models() else None
+        if base is None:
+            return model, adapter
+        if adapter and adapter != model:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"adapter: {adapter!r} differs from the adapter the model names ({model!r})")
+        return base, model
+
+    def with_adapter(self, model: str, adapter: str, workers: list[WorkerState]) -> list[WorkerState]:
+        """Of `workers`, those whose lease lists `adapter`; all of them when none does (a worker
+        then answers for itself, naming the field)."""
+        ids = {w.id for w in self.cluster.adapter_workers(model, adapter)}
+        return [w for w in workers if w.id in ids] or workers
 
     def candidates(self, model: str) -> tuple[str, list[WorkerState]]:
         """The model a request names (or the only one served) and its live workers."""

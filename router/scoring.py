@@ -100,6 +100,10 @@ DEFAULT_OUTPUT_TOKENS = 128
 # hit rate and busy imbalance 1.23; at 0, 0.972 and 1.16.)
 GONE_GRACE_S = 0.0
 # Up to this many workers the cheapest few are picked in Python, past it by numpy's partition.
+# A LoRA adapter not in a device slot is copied in (and another evicted) before the first step:
+# about a prefill step's time for rank-16 adapters of an 8B model; the slot then serves later
+# requests of that adapter too, so this is kept small against a prefix saving.
+LORA_LOAD_S = 0.02
 _SMALL = 64
 INF = float("inf")
 
@@ -284,15 +288,17 @@ class _Figures:
     applied (WorkerState.on_heartbeat); the router's own changes (credits, first tokens, ends) mark
     the row dirty and the next decision refreshes those few."""
 
-    def __init__(self, workers: list[WorkerState]):
+    def __init__(self, workers: list[WorkerState], register: bool = True):
+        """register: its workers write their reports here (one table per worker: the model's)."""
         self.workers = list(workers)
         self.position = {w.id: i for i, w in enumerate(workers)}
         self.dirty: set[WorkerState] = set()
         cols = np.array([w.figures() for w in workers], dtype=np.float64).reshape(len(workers), 5)
         (self.drain_at, self.queued_s, self.kv, self.per_output,
          self.per_token) = (cols[:, i].copy() for i in range(5))
-        for w in workers:
-            w._table = self
+        if register:
+            for w in workers:
+                w._table = self
 
     def matches(self, workers: list[WorkerState]) -> bool:
         return len(workers) == len(self.workers) and all(map(operator.is_, workers, self.workers))
@@ -344,19 +350,22 @@ class Scorer:
         self.output_tokens += 0.1 * (max(tokens, 1) - self.output_tokens)
 
     def rank(self, model: str, workers: list[WorkerState], prompt_len: int, hashes: Sequence[bytes],
-             limit: int | None = None, max_output: int | None = None, now: float | None = None) -> list[Choice]:
+             limit: int | None = None, max_output: int | None = None, now: float | None = None,
+             adapter: str = "") -> list[Choice]:
         """Candidates best first (the best `limit` of them when given) at time `now` (wall clock,
         the one credits and reports are stamped with; default the current time). A request's own
-        decode runs at most `max_output` tokens (its max_tokens), whatever others average."""
+        decode runs at most `max_output` tokens (its max_tokens), whatever others average.
+        With a LoRA `adapter` (workers: those serving it), a worker without it in a device slot
+        pays LORA_LOAD_S."""
         if not workers:
             return []
         overlap = self.index.overlap(hashes)
         key = prefix_key(hashes, overlap, prompt_len, workers[0].lease.block_size)
-        return self.rank_overlap(model, workers, prompt_len, overlap, limit, max_output, now, key)
+        return self.rank_overlap(model, workers, prompt_len, overlap, limit, max_output, now, key, adapter)
 
     def rank_overlap(self, model: str, workers: list[WorkerState], prompt_len: int, overlap: dict[str, int],
                      limit: int | None = None, max_output: int | None = None,
-                     now: float | None = None, prefix: bytes | None = None) -> list[Choice]:
+                     now: float | None = None, prefix: bytes | None = None, adapter: str = "") -> list[Choice]:
         """rank() given each worker's cached leading blocks (absent = none) and the prompt's
         prefix_key(): the oracle's entry."""
         block = workers[0].lease.block_size
@@ -368,7 +377,9 @@ class Scorer:
             order = workers[start:] + workers[:start]
             return [Choice(w, float(i), min(overlap.get(w.id, 0) * block, cap), prefix)
                     for i, w in enumerate(order)][:limit]
-        f = self._figures(model, workers)
+        # A LoRA adapter's workers are a subset of the model's: their figures are read afresh
+        # (memoised per worker), leaving the model's table to the model's workers.
+        f = self._figures(model, workers) if not adapter else _Figures(workers, register=False)
         n = len(workers)
         o = min(self.output_tokens, max_output) if max_output else self.output_tokens
         # In place where it can be: at 32 workers each numpy call costs more than its arithmetic.
@@ -392,6 +403,10 @@ class Scorer:
                     cost[i] -= cached[i] * f.per_token[i]
         if self.spread and prefix is not None and cached:
             self._spread(f, cost, cached, prefix, load, self.balance * mean)
+        if adapter:
+            for i, w in enumerate(workers):
+                if adapter not in w.lease.lora_resident:
+                    cost[i] += LORA_LOAD_S
         k = n if limit is None else min(limit, n)
         rand = self.rng.random
         if n <= _SMALL:

@@ -17,12 +17,13 @@ class Selector:
         self.scorer, self.breaker, self.max_attempts = scorer, breaker, max_attempts
 
     def rank(self, model: str, workers: list[WorkerState], prompt_len: int, hashes: Sequence[bytes],
-             max_output: int | None = None, now: float | None = None) -> list[Choice]:
+             max_output: int | None = None, now: float | None = None, adapter: str = "") -> list[Choice]:
         """The best max_attempts workers, best first (`now`: the wall clock, unless a simulation
         keeps its own). Workers sitting out a breaker cooldown are left out, unless all are."""
         shut = self.breaker.open_workers()
         allowed = ([w for w in workers if w.id not in shut] or workers) if shut else workers
-        return self.scorer.rank(model, allowed, prompt_len, hashes, self.max_attempts, max_output or None, now)
+        return self.scorer.rank(model, allowed, prompt_len, hashes, self.max_attempts, max_output or None, now,
+                                adapter)
 
     def claim(self, choice: Choice, request_id: str, prompt_len: int, hashes: Sequence[bytes],
               sent_at: float | None = None, now: float | None = None) -> None:

@@ -302,3 +302,132 @@ def test_worker_flags_are_in_help_and_bad_ones_refused(tiny_model, adapters):
     args = build_parser().parse_args(["--model", tiny_model, "--lora-modules", f"a={adapters['a']}"])
     with pytest.raises(ValueError, match="lora_modules: adapters need enable_lora"):
         EngineConfig(**engine_config_kwargs(args))
+
+
+# ---- the router: adapters by name, preference, load and unload over HTTP -----------------------
+
+def _http(url: str, body: dict | None = None) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_router_serves_adapters_by_name_and_loads_them_over_http(redis_server, start_worker, start_router,
+                                                                 tiny_model, adapters, references):
+    import grpc
+
+    from clients.up import free_port
+    from protos.pagoda.v1 import pagoda_pb2 as pb
+    from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+    from tests.test_router import wait_for
+    url = redis_server.url
+    flags = dict(redis_url=url, enable_lora=True, max_loras=2, max_lora_rank=8, heartbeat_interval=0.2)
+    start_worker(tiny_model, worker_id="wa", lora_modules=f"a={adapters['a']}", **flags)
+    start_worker(tiny_model, worker_id="wb", **flags)
+    port = free_port()
+    router = start_router(url, http_port=port)
+    base = f"http://127.0.0.1:{port}/v1"
+
+    def models():
+        return {m["id"]: m["parent"] for m in json.loads(_http(base + "/models")[1])["data"]}
+
+    wait_for(lambda: "a" in models() and len(models()) == 2, 20, "the router to list the adapter")
+    model = next(m for m, parent in models().items() if parent is None)
+    assert models() == {model: None, "a": model}
+
+    with grpc.insecure_channel(router.address) as ch:
+        gen = pb_grpc.GenerationStub(ch)
+
+        def ask(i, model_name, adapter=""):
+            sp = pb.SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True)
+            out, workers = [], set()
+            for r in gen.Generate(pb.GenerateRequest(model=model_name, adapter=adapter, token_ids=PROMPTS[i],
+                                                     sampling=sp)):
+                out.extend(r.token_ids)
+                workers.add(r.worker_id)
+            return out, workers
+
+        # Only wa serves a: every request for it goes there, named as a model or as the adapter field.
+        for i in range(3):
+            assert ask(i, "a") == (references["a"][i], {"wa"})
+        assert ask(3, model, "a") == (references["a"][3], {"wa"})
+        with pytest.raises(grpc.RpcError) as e:
+            ask(0, model, "nope")
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "adapter: unknown LoRA adapter" in e.value.details()
+
+        # b loaded on both over HTTP; the answer lists it at once.
+        status, text = _http(base + "/load_lora_adapter", {"lora_name": "b", "lora_path": adapters["b"]})
+        assert (status, text) == (200, "Success: LoRA adapter 'b' added successfully.")
+        assert models()["b"] == model
+        assert ask(0, "b")[0] == references["b"][0]
+        status, text = _http(base + "/completions", {"model": "b", "prompt": PROMPTS[1], "max_tokens": 12,
+                                                     "temperature": 0, "ignore_eos": True})
+        body = json.loads(text)
+        from protos.tokenization import PromptTokenizer
+        assert status == 200 and body["model"] == "b"
+        assert body["choices"][0]["text"] == PromptTokenizer.from_dir(tiny_model).decode(references["b"][1])
+
+        status, text = _http(base + "/load_lora_adapter", {"lora_name": "c", "lora_path": "/no/such/dir"})
+        assert status == 400 and "lora_path" in json.loads(text)["error"]["message"]
+        status, text = _http(base + "/load_lora_adapter", {"lora_path": adapters["b"]})
+        assert status == 400 and json.loads(text)["error"]["param"] == "lora_name"
+
+        status, text = _http(base + "/unload_lora_adapter", {"lora_name": "a"})
+        assert (status, text) == (200, "Success: LoRA adapter 'a' removed successfully.")
+        assert "a" not in models()
+        status, text = _http(base + "/completions", {"model": "a", "prompt": PROMPTS[1], "max_tokens": 4})
+        assert status == 404 and "model" in json.loads(text)["error"]["message"]
+        status, _ = _http(base + "/unload_lora_adapter", {"lora_name": "a"})
+        assert status == 404
+
+
+# ---- the lease and the cost ---------------------------------------------------------------------
+
+def test_lease_carries_adapters_within_bounds():
+    from protos.redis_schema import MAX_LORA_ADAPTERS, Lease
+    lease = Lease("w", "m", "h:1", 1, 16, lora_adapters=["a", "b"], lora_resident=["b"])
+    back = Lease.decode(lease.encode())
+    assert back.lora_adapters == ["a", "b"] and back.lora_resident == ["b"]
+    raw = json.loads(lease.encode())
+    for bad in (["x"] * (MAX_LORA_ADAPTERS + 1), [""], ["x" * 257], "a", [1]):
+        with pytest.raises(ValueError, match="lora_adapters must be a list"):
+            Lease.decode(json.dumps(dict(raw, lora_adapters=bad)))
+    assert Lease.decode(json.dumps({k: v for k, v in raw.items() if not k.startswith("lora")})).lora_adapters == []
+
+
+def test_a_worker_without_the_adapter_resident_pays_the_load_cost():
+    import random
+
+    from protos.block_hash import block_hashes, namespace_root
+    from protos.redis_schema import Lease
+    from router.index import BlockIndex
+    from router.scoring import LORA_LOAD_S, Scorer, WorkerState
+    rates = dict(prefill_tps=1000.0, decode_tps=1000.0, step_s=0.01, max_batched_tokens=100)
+
+    def worker(wid, resident, **load):
+        return WorkerState(Lease(wid, "m", f"h:{wid}", 1, 16, num_blocks=100, free_blocks=100, lora_adapters=["a"],
+                                 lora_resident=resident, **rates, **load))
+
+    cold, warm = worker("cold", []), worker("warm", ["a"])
+    hashes = block_hashes(list(range(64)), 16, namespace_root("m", "a"))
+    for seed in range(5):       # no tie: the resident one wins every time
+        ranked = Scorer("prefix_aware", BlockIndex(), random.Random(seed)).rank("m", [cold, warm], 64, hashes,
+                                                                                adapter="a", now=0.0)
+        assert [c.worker.id for c in ranked] == ["warm", "cold"]
+        assert ranked[1].cost - ranked[0].cost == pytest.approx(LORA_LOAD_S)
+    # A cached prefix outweighs the load: the cold worker holding 3 of the 4 blocks wins.
+    idx = BlockIndex()
+    idx.add("cold", hashes[:3])
+    ranked = Scorer("prefix_aware", idx, random.Random(0)).rank("m", [cold, warm], 64, hashes, adapter="a", now=0.0)
+    assert ranked[0].worker.id == "cold" and ranked[0].cached_tokens == 48
+    # Without an adapter nobody pays it: a tie.
+    base = Scorer("prefix_aware", BlockIndex(), random.Random(0)).rank("m", [cold, warm], 64, hashes, now=0.0)
+    assert base[0].cost == base[1].cost
