@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT_DIR, '
                         '"num_speculative_tokens": 4} (a draft of the same tokenizer)')
+    p.add_argument("--stream-interval", type=_positive_int, default=_D["stream_interval"], metavar="N",
+                   help="send a stream's tokens once N wait (its first token at once, its last flushes): "
+                        "fewer, larger messages, less CPU per token here and at the router. 1: every step")
     lora = p.add_argument_group("multi-LoRA (PEFT adapters; a request names one as its model or `adapter`)")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
     lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -116,6 +119,16 @@ def _speculative_config(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text!r})")
+    return value
+
+
 def default_worker_id(port: int) -> str:
     # Unique per process even when a pod restarts with the same hostname and pid.
     return f"{socket.gethostname()}-{port}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -146,4 +159,5 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
                 speculative_config=args.speculative_config, enable_lora=args.enable_lora,
                 lora_modules=args.lora_modules, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                 quantization=args.quantization, kv_offloading_size=args.kv_offloading_size,
-                preemption_mode=args.preemption_mode)
+                preemption_mode=args.preemption_mode,
+                stream_interval=args.stream_interval)

@@ -7,6 +7,8 @@ event loop (call_soon_threadsafe), an immutable EngineStats snapshot, and KV eve
 mirror of the cached hashes they imply). The event loop reads only those, so GetLoad, health
 checks and the publisher never wait on a step. A stream whose consumer stops early
 (aclose, cancellation) aborts its request, which frees its blocks at the engine's next turn.
+A stream yields deltas through a Coalescer (gpu_worker/coalesce.py): what queued up since its
+consumer last read is merged per sequence, and config.stream_interval holds tokens back.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
+from gpu_worker.coalesce import Coalescer
 from gpu_worker.config import EngineConfig
 from gpu_worker.engine import LLMEngine
 from gpu_worker.outputs import EngineStats, StreamDelta
@@ -123,15 +126,22 @@ class AsyncLLM:
         self._commands.put(AddCommand(request_id, list(prompt_token_ids), params, priority,
                                       cache_salt, adapter, stream))
         done = False
+        coalescer = Coalescer(self.config.stream_interval)
+        q = stream.queue
         try:
             while stream.left:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                for d in item:
+                # Everything that queued up while the last delta was out (being sent) goes in
+                # together: one merged delta per sequence (gpu_worker/coalesce.py).
+                items = [await q.get()]
+                while not q.empty() and not isinstance(items[-1], BaseException):
+                    items.append(q.get_nowait())
+                error = items.pop() if isinstance(items[-1], BaseException) else None
+                for d in coalescer.push([d for item in items for d in item]):
                     stream.left -= d.finished
                     yield d
+                if error is not None:
+                    done = True
+                    raise error
             done = True
         finally:
             if self._streams.get(request_id) is stream:

@@ -95,6 +95,9 @@ class EngineConfig:
     # What a preempted request loses: recompute (its KV, from the prefix cache where it can) or
     # swap (its KV goes to the host tier and back; recompute when the tier is full).
     preemption_mode: str = "recompute"          # recompute | swap
+    # vLLM's --stream-interval: a stream sends a sequence's tokens once this many wait (its
+    # first token at once, its last delta flushes); 1 sends every step's (gpu_worker/coalesce.py).
+    stream_interval: int = 1
 
     def __post_init__(self):
         if self.served_model_name is None:
@@ -117,6 +120,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)} "
                              f"(got {self.quantization!r})")
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
+                or self.stream_interval < 1:
+            raise ValueError(f"stream_interval: must be a positive integer (got {self.stream_interval!r})")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be at least 1 (got {self.max_num_seqs})")
         if (not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool)

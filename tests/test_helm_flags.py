@@ -101,6 +101,7 @@ def test_values_map_one_to_one_onto_flags():
                    "snapshot_interval": w["snapshotInterval"], "scheduling_policy": "priority", "async_scheduling": "off",
                    "quantization": "fp8",
                    "kv_offloading_size": 4.5, "preemption_mode": "swap",
+                   "stream_interval": 4,
                    "speculative_config": SpeculativeConfig("ngram", 3, prompt_lookup_max=4, prompt_lookup_min=4),
                    "metrics_prefix": "vllm", "model_impl": "transformers", "revision": "v1.2",
                    "dtype": "bfloat16", "block_size": 32, "no_prefix_caching": True, "enforce_eager": True, "port": 50051,
@@ -142,7 +143,8 @@ def test_unset_values_leave_the_cli_defaults():
         defaults = parser.parse_args(["--model", "m"] if cmd == "worker" else ["--redis-url", "redis://x"])
         unset = ["index_max_blocks", "speculative_ttl", "max_attempts"] if cmd == "router" else \
             ["num_kv_blocks", "kv_cache_memory", "max_model_len", "max_num_batched_tokens", "max_waiting",
-             "heartbeat_interval", "snapshot_interval", "quantization"]
+             "heartbeat_interval", "snapshot_interval", "quantization",
+             "stream_interval"]
         for dest in unset:
             assert getattr(ns, dest) == getattr(defaults, dest), dest
 

@@ -43,7 +43,7 @@ EVERYTHING = {
         "topologySpread": {"enabled": True},
         "kvCacheMemory": "20GiB", "numKvBlocks": 4096, "maxNumBatchedTokens": 4096, "maxModelLen": 8192,
         "maxWaiting": 100, "heartbeatInterval": 0.25, "snapshotInterval": 2, "prefixCaching": False, "enforceEager": True,
-        "schedulingPolicy": "priority", "metricsPrefix": "vllm", "asyncScheduling": "off",
+        "schedulingPolicy": "priority", "metricsPrefix": "vllm", "asyncScheduling": "off", "streamInterval": 4,
         "quantization": "fp8",
         "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
         "kvOffloadingSize": 4.5, "preemptionMode": "swap",
