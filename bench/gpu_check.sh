@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check of issue 11, in one run of at most 8 minutes on one H200, installing nothing:
+# The GPU check of issue 11, in one run of at most 9 minutes on one H200, installing nothing:
 #   1. the GPU tests (and the CPU twins beside them, which must pass on a GPU host too),
 #   2. python bench/kernels.py --quick (decode attention vs the 4.3 TB/s bound, fused ops),
 #   3. bench/gpu_e2e.py: random bf16 Llama-3.2-1B and Llama-3-8B shapes at batch 1, 64, 256,
 #      CUDA graphs against --enforce-eager: tok/s, decode step, forward/host split, bound share.
+#   4. bench/quant.py --gpu: a Llama-3-8B layer's linears in bf16, fp8 (torch._scaled_mm) and
+#      int4 (the Triton dequantize-matmul) at M = 1, 16, 256 (quant.md); the quantized-weight
+#      GPU tests (tests/test_quant_kernels.py) run in part 1.
 # Everything lands under $OUT (default ./gpu_check_out): one log per part, summary.txt, e2e.md,
 # kernels.md. Each part has its own time limit, so one that hangs cannot eat the others' time.
 #
@@ -62,7 +65,8 @@ part() {
 GPU_TESTS="tests/test_kernels.py tests/test_kernels_norm.py tests/test_kernels_launch.py tests/test_cuda_graphs.py
            tests/test_kv_fp8.py tests/test_models.py::test_cuda_runner_matches_cpu tests/test_parity_triton.py
            tests/test_async_scheduling.py tests/test_prompt_logprobs.py
-           tests/test_spec_decode.py::test_speculation_on_cuda_matches_plain"
+           tests/test_spec_decode.py::test_speculation_on_cuda_matches_plain
+           tests/test_quant_kernels.py"
 if [ $DRY = 0 ]; then
     { nvidia-smi; "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"; } \
         > "$OUT/machine.txt" 2>&1
@@ -75,4 +79,5 @@ if [ $DRY = 1 ]; then
 else
     part e2e 200 "$PY" bench/gpu_e2e.py --out "$OUT"
 fi
+part quant 60 "$PY" bench/quant.py --gpu --out "$OUT/quant.md"
 echo "done: $OUT" | tee -a "$SUMMARY"

@@ -58,9 +58,12 @@ def make_checkpoint(path: str, shape: str) -> str:
 
 
 def random_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, shard=None,
-                 model_impl: str = "auto") -> torch.nn.Module:
+                 model_impl: str = "auto", quant=None) -> torch.nn.Module:
     """Stands in for gpu_worker.loader.load_model: the real module tree (this rank's shard of it
-    under tensor parallelism; always the native model), random weights on device."""
+    under tensor parallelism; always the native model), random weights on device (unquantized:
+    bench/quant.py measures quantized layers)."""
+    if quant is not None:
+        raise ValueError("quantization: bench/gpu_e2e.py builds unquantized random models")
     from gpu_worker.models import model_class
     from gpu_worker.models.parallel import Shard, sharding
     with torch.device("meta"), sharding(shard or Shard()):

@@ -18,7 +18,7 @@ the LM head and the norms stay in the model dtype (as vLLM does), and modules a 
 in `ignore` stay unquantized.
 
 Compute: on CUDA, per-channel fp8 goes through torch._scaled_mm with per-token fp8 activations
-(W8A8). Elsewhere (and for fp8 blocks on CUDA) the weight is
+(W8A8); int4 through kernels/triton_quant.py. Elsewhere (and for fp8 blocks on CUDA) the weight is
 dequantized per call and multiplied in the activation dtype: exact against a model built from
 the dequantized weights.
 
@@ -433,6 +433,9 @@ class Int4Linear(QuantLinear):
             self.g_idx = rows // size
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from kernels.triton_quant import int4_matmul_triton  # triton loads only when used
+            return int4_matmul_triton(x, self.qweight, self.zeros, self.scales, self.g_idx)
         return int4_linear_ref(x, self.qweight, self.zeros, self.scales, self.g_idx, None)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""The CUDA paths of quantized weights against their torch twins: the Triton int4 dequantize-matmul
+(interpreted on CPU tensors, kernels/launch.py, at tiny fp32/fp16 shapes; compiled in bf16 on a
+GPU) and torch._scaled_mm's W8A8 fp8 (GPU only: its oracle is kernels.quant_ref.fp8_w8a8_ref).
+"""
+import pytest
+import torch
+
+from gpu_worker.config import EngineConfig
+from gpu_worker.tiny_quant import quantize_checkpoint
+from kernels.quant_ref import (
+    dequantize_fp8_weight,
+    fp8_w8a8_ref,
+    int4_linear_ref,
+    pack_int4_rows,
+    quantize_fp8_per_channel,
+)
+from kernels.triton_quant import int4_matmul_triton, launch_config
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def int4_case(m, k, n, group, act_order, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=g)
+    groups = k // group
+    zeros = torch.randint(0, 17, (groups, n), generator=g).to(torch.uint8)   # 16: GPTQ v1's wrapped zero
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.001).half()
+    g_idx = (torch.arange(k) // group).int()
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)].contiguous()
+    x = torch.randn(m, k, generator=g).to(dtype)
+    tensors = (x, pack_int4_rows(q), zeros, scales, g_idx)
+    return [t.to(device) for t in tensors]
+
+
+# (M, K, N, group, act order): ragged edges on every axis, a decode row, and act-order groups.
+SHAPES = [(5, 64, 48, 32, False), (20, 96, 40, 32, True), (1, 128, 136, 128, False), (33, 64, 16, 64, True)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int4_triton_matches_the_twin_interpreted(shape, dtype, tol):
+    m, k, n, group, act_order = shape
+    x, qw, zeros, scales, g_idx = int4_case(m, k, n, group, act_order, dtype)
+    got = int4_matmul_triton(x, qw, zeros, scales, g_idx)
+    want = int4_linear_ref(x, qw, zeros, scales, g_idx, None)
+    assert got.dtype == dtype and got.shape == (m, n)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
+
+
+def test_int4_triton_takes_leading_dims_and_refuses_misfits():
+    x, qw, zeros, scales, g_idx = int4_case(6, 64, 32, 32, False, torch.float32)
+    got = int4_matmul_triton(x.reshape(2, 3, 64), qw, zeros, scales, g_idx)
+    assert got.shape == (2, 3, 32)
+    torch.testing.assert_close(got.reshape(6, 32), int4_linear_ref(x, qw, zeros, scales, g_idx, None))
+    assert int4_matmul_triton(x[:0], qw, zeros, scales, g_idx).shape == (0, 32)
+    with pytest.raises(ValueError, match="qweight/g_idx"):
+        int4_matmul_triton(x[:, :32], qw, zeros, scales, g_idx)
+    assert launch_config(1, 4096)["BLOCK_M"] == 16 and launch_config(512, 4096)["BLOCK_M"] == 64
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", SHAPES + [(256, 4096, 4096, 128, False), (1, 4096, 14336, 128, False)])
+def test_int4_triton_bf16_gpu(shape):
+    m, k, n, group, act_order = shape
+    x, qw, zeros, scales, g_idx = int4_case(m, k, n, group, act_order, torch.bfloat16, "cuda")
+    got = int4_matmul_triton(x, qw, zeros, scales, g_idx)
+    want = int4_linear_ref(x, qw, zeros, scales, g_idx, None)     # cuBLAS on the same bf16 weights
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (37, 1024, 3072), (512, 4096, 1024)])
+def test_fp8_scaled_mm_gpu(m, k, n):
+    from gpu_worker.quantization import fp8_scaled_mm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    q, s = quantize_fp8_per_channel(w)
+    got = fp8_scaled_mm(x, q, s)
+    torch.testing.assert_close(got.float(), fp8_w8a8_ref(x, q, s, None).float(), atol=2e-2, rtol=2e-2)
+    # Against the weight-only reference: only the activations' e4m3 rounding differs.
+    weight_only = (x.float() @ dequantize_fp8_weight(q, s).t())
+    err = (got.float() - weight_only).abs().max() / weight_only.abs().max()
+    assert err < 0.08, err
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt,opts", [("gptq", {"group_size": 32}), ("awq", {"group_size": 32}),
+                                      ("compressed-tensors", {"strategy": "channel"})])
+def test_quantized_runner_on_cuda_tracks_the_cpu_twin_gpu(tiny_model_factory, tmp_path, fmt, opts):
+    """The tiny model's per-layer widths (64, 128) take the fp8 _scaled_mm and int4 Triton paths."""
+    from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.sampling_params import SamplingParams
+    from tests.plugins.engine import Chunk, fresh_step
+    qdir, _ = quantize_checkpoint(tiny_model_factory("llama"), str(tmp_path / "q"), fmt, **opts)
+    logits = []
+    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+        r = ModelRunner(EngineConfig(model=qdir, device=device, dtype=dtype, num_kv_blocks=16, enforce_eager=True))
+        r.allocate_kv_cache(16)
+        p = SamplingParams(temperature=0.0)
+        ids = list(range(20, 61))
+        r.forward(fresh_step(r, [Chunk("a", ids[:40], 0, [1, 2, 3], False, p, ids, [])]))
+        logits.append(r.forward(fresh_step(r, [Chunk("a", ids[40:], 40, [1, 2, 3], True, p, ids, [])])).float().cpu())
+    assert torch.nn.functional.cosine_similarity(logits[1], logits[0], dim=-1).min() >= 0.98
