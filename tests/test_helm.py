@@ -403,6 +403,9 @@ SCHEMA_REFUSES = [
     ({"workerDefaults": {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 0}}}, "/workerDefaults"),
     ({"workerDefaults": {"kvOffloadingSize": -1}}, "/workerDefaults"),
     ({"workerDefaults": {"preemptionMode": "drop"}}, "/workerDefaults"),
+    ({"workerDefaults": {"maxLoras": 0}}, "/workerDefaults"),
+    ({"workerDefaults": {"enableLora": True, "loraModules": {"a=b": "/models/x"}}}, "/workerDefaults"),
+    ({"workerDefaults": {"enableLora": True, "loraModules": {"sql": ""}}}, "/workerDefaults"),
 ]
 
 
@@ -428,6 +431,7 @@ TEMPLATE_REFUSES = [
     ({"workerDefaults": {"asyncScheduling": "on", "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 2}}},
      "speculativeConfig: needs asyncScheduling auto or off"),
     ({"workerDefaults": {"preemptionMode": "swap"}}, "preemptionMode: swap needs kvOffloadingSize > 0"),
+    ({"workerDefaults": {"loraModules": {"sql": "/models/sql"}}}, "loraModules: adapters need enableLora"),
 ]
 
 

@@ -102,6 +102,8 @@ def test_values_map_one_to_one_onto_flags():
                    "quantization": "fp8",
                    "kv_offloading_size": 4.5, "preemption_mode": "swap",
                    "stream_interval": 4,
+                   "enable_lora": True, "lora_modules": ["chat=/models/lora/chat", "sql=/models/lora/sql"],
+                   "max_loras": 4, "max_lora_rank": 64,
                    "speculative_config": SpeculativeConfig("ngram", 3, prompt_lookup_max=4, prompt_lookup_min=4),
                    "metrics_prefix": "vllm", "model_impl": "transformers", "revision": "v1.2",
                    "dtype": "bfloat16", "block_size": 32, "no_prefix_caching": True, "enforce_eager": True, "port": 50051,

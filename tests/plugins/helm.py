@@ -47,6 +47,8 @@ EVERYTHING = {
         "quantization": "fp8",
         "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
         "kvOffloadingSize": 4.5, "preemptionMode": "swap",
+        "enableLora": True, "loraModules": {"sql": "/models/lora/sql", "chat": "/models/lora/chat"},
+        "maxLoras": 4, "maxLoraRank": 64,
         "modelImpl": "transformers", "revision": "v1.2", "dtype": "bfloat16", "device": "cuda", "blockSize": 32,
         "maxConcurrentStreams": 4096, "limits": {"maxN": 4, "maxPromptBytes": 1 << 19, "maxMessages": 64,
                                                   "maxPromptTokens": 8192, "maxLogitBias": 100, "maxStop": 8,
