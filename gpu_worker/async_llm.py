@@ -97,6 +97,8 @@ class AsyncLLM:
         self._out_lock = threading.Lock()
         self._events: list[tuple[str, bytes]] = []
         self._cached: dict[bytes, None] = {}     # insertion-ordered set of cached hashes
+        self._host_events: list[tuple[str, bytes]] = []     # the same for the host KV tier
+        self._host_cached: dict[bytes, None] = {}
         self._closed = False
         self._lora_adapters: tuple[str, ...] = tuple(self.engine.lora_adapters())
         self._lora_resident: tuple[str, ...] = ()
@@ -232,6 +234,16 @@ class AsyncLLM:
         with self._out_lock:
             return list(self._cached)
 
+    def take_host_kv_events(self) -> list[tuple[str, bytes]]:
+        with self._out_lock:
+            events, self._host_events = self._host_events, []
+        return events
+
+    def cached_hashes_by_tier(self) -> tuple[list[bytes], list[bytes]]:
+        """(device, host) cached hashes as of the same published events."""
+        with self._out_lock:
+            return list(self._cached), list(self._host_cached)
+
     def _die(self, error: BaseException) -> None:
         """A tensor-parallel rank died (any thread): refuse new requests and end every stream with
         the error now, even while the engine thread is stuck in a collective."""
@@ -279,18 +291,21 @@ class AsyncLLM:
 
     def _publish(self) -> None:
         events = self.engine.take_kv_events()
+        host_events = self.engine.take_host_kv_events()
         stats = self.engine.stats()
         lora = self.engine.runner.lora
         if lora is not None:
             self._lora_resident = tuple(lora.resident())
-        if events:
+        if events or host_events:
             with self._out_lock:
-                self._events.extend(events)
-                for kind, h in events:
-                    if kind == "stored":
-                        self._cached[h] = None
-                    else:
-                        self._cached.pop(h, None)
+                for buffer, mirror, new in ((self._events, self._cached, events),
+                                            (self._host_events, self._host_cached, host_events)):
+                    buffer.extend(new)
+                    for kind, h in new:
+                        if kind == "stored":
+                            mirror[h] = None
+                        else:
+                            mirror.pop(h, None)
         self._stats = stats
 
     def _apply(self, cmd: Command, pending: dict[str, _Stream]) -> None:

@@ -490,7 +490,7 @@ class LLMEngine:
             blocks_held=self.num_blocks - free, block_size=self.block_size, num_steps=self.num_steps,
             step_seconds=self.step_seconds, max_num_batched_tokens=self.max_num_batched_tokens,
             request_prompt_tokens=self.request_prompt_tokens, request_cached_tokens=self.request_cached_tokens,
-            **self._spec_stats())
+            **self._spec_stats(), **self._tier_stats())
 
     def _spec_stats(self) -> dict:
         st = self.scheduler.spec_stats
@@ -500,8 +500,24 @@ class LLMEngine:
                     spec_num_accepted_tokens=st.num_accepted_tokens,
                     spec_accepted_per_pos=tuple(st.accepted_per_pos or ()))
 
+    def _tier_stats(self) -> dict:
+        host = self.kv.host
+        if host is None:
+            return {}
+        blocks, seconds = self.runner.copy_rate()
+        return dict(host_blocks=host.num_blocks, host_cached_blocks=len(host.cached),
+                    swaps=self.scheduler.num_swaps, kv_copied_blocks=blocks, kv_copy_seconds=seconds)
+
     def take_kv_events(self) -> list[tuple[str, bytes]]:
         return self.kv.pool.take_events()
 
     def cached_block_hashes(self) -> list[bytes]:
         return self.kv.pool.cached_hashes()
+
+    def take_host_kv_events(self) -> list[tuple[str, bytes]]:
+        """The host tier's block events since the last call (none without a tier)."""
+        return self.kv.host.take_events() if self.kv.host is not None else []
+
+    def cached_hashes_by_tier(self) -> tuple[list[bytes], list[bytes]]:
+        """(device, host) cached hashes."""
+        return self.cached_block_hashes(), list(self.kv.host.cached) if self.kv.host is not None else []

@@ -135,7 +135,10 @@ class ModelRunner:
         # the device pool's storage layout, so one block is one contiguous slice on each side.
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.copy_stream: Any = None
-        self.copy_seconds, self.copied_blocks = 0.0, 0    # cumulative, for the copy rate
+        # Cumulative, for the copy rate the worker reports: blocks copied and the time their copies
+        # took (on CUDA timed by events on the copy stream, read once they have completed).
+        self.copy_seconds, self.copied_blocks = 0.0, 0
+        self._timed: list[tuple[Any, Any, int]] = []
         self.sampler = Sampler()
         self.last_draw: torch.Tensor | None = None     # token ids of the last launched step, on the device
         self.graphs: DecodeGraphs | None = None  # captured by warm_up on CUDA
@@ -384,6 +387,8 @@ class ModelRunner:
         else:
             main = torch.cuda.current_stream(self.device)
             self.copy_stream.wait_stream(main)
+            began = torch.cuda.Event(enable_timing=True)
+            began.record(self.copy_stream)
             with torch.cuda.stream(self.copy_stream):
                 for c in copies:
                     for (dk, dv), (hk, hv) in zip(stores, self.host_caches):
@@ -393,11 +398,22 @@ class ModelRunner:
                         else:
                             dk[c.device_block].copy_(hk[c.host_block], non_blocking=True)
                             dv[c.device_block].copy_(hv[c.host_block], non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self.copy_stream)
             main.wait_event(done)
+            self._timed.append((began, done, len(copies)))
+            return
         self.copy_seconds += time.perf_counter() - start
         self.copied_blocks += len(copies)
+
+    def copy_rate(self) -> tuple[int, float]:
+        """(blocks copied, seconds their copies took) so far; on CUDA, copies not yet done are
+        counted once they are."""
+        while self._timed and self._timed[0][1].query():
+            began, done, n = self._timed.pop(0)
+            self.copy_seconds += began.elapsed_time(done) / 1000
+            self.copied_blocks += n
+        return self.copied_blocks, self.copy_seconds
 
     # ---- one step ---------------------------------------------------------------------
 

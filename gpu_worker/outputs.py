@@ -158,6 +158,13 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # Host KV tier (0 blocks: none): blocks it holds for the prefix cache, preemptions that
+    # swapped, and the copies between tiers, cumulative (blocks, seconds).
+    host_blocks: int = 0
+    host_cached_blocks: int = 0
+    swaps: int = 0
+    kv_copied_blocks: int = 0
+    kv_copy_seconds: float = 0.0
 
     @property
     def kv_utilisation(self) -> float:

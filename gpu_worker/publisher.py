@@ -7,6 +7,9 @@ with backoff; requests never see them. Events that cannot be pushed are kept (bo
 bound is hit they are dropped, the batch sequence skips a number so routers notice the gap, and
 a fresh snapshot is published as soon as Redis answers again.
 
+With a host KV tier, its block events ride in the same batches (their own field) and its
+snapshot is written with the device one, in one transaction, under the same sequence number.
+
 Between heartbeats, a change in running or waiting requests (an admission or a finish) sends
 the lease on the model's load stream, at most once per `load_interval_s`, so routers do not
 balance on figures a heartbeat old.
@@ -50,6 +53,7 @@ class Publisher:
         self.seq = 0                       # last batch sequence number assigned
         self.stream_id = "0-0"             # last entry this process added
         self.pending: list[tuple[str, bytes]] = []
+        self.pending_host: list[tuple[str, bytes]] = []    # the host tier's events
         self.need_snapshot = True          # a router must be able to sync before any event
         self.snapshot_seq = -1             # seq the last published snapshot is current to
         self.connected = False
@@ -110,9 +114,13 @@ class Publisher:
 
     def _drain(self) -> None:
         self.pending.extend(self.engine.take_kv_events())
-        if len(self.pending) > self.max_pending:
-            log.warning("publisher: dropping %d unpublished block events", len(self.pending))
+        take_host = getattr(self.engine, "take_host_kv_events", None)    # test stand-ins have none
+        if take_host is not None:
+            self.pending_host.extend(take_host())
+        if len(self.pending) + len(self.pending_host) > self.max_pending:
+            log.warning("publisher: dropping %d unpublished block events", len(self.pending) + len(self.pending_host))
             self.pending.clear()
+            self.pending_host.clear()
             self.seq += 1                  # the hole tells routers to resynchronise
             self.need_snapshot = True
 
@@ -131,7 +139,7 @@ class Publisher:
         the lease so that a router that sees the lease can sync at once. `now` is the clock
         for the load rate limit (monotonic by default)."""
         self._drain()
-        if self.pending:
+        if self.pending or self.pending_host:
             await self._push_events()
         if snapshot or self.need_snapshot:
             await self._snapshot()
@@ -148,10 +156,10 @@ class Publisher:
                 self._next_load = now + self.load_interval_s
 
     async def _push_events(self) -> None:
-        batch = rs.EventBatch(self.worker_id, self.epoch, self.seq + 1, self.pending)
+        batch = rs.EventBatch(self.worker_id, self.epoch, self.seq + 1, self.pending, self.pending_host)
         sid = await self._redis.xadd(rs.events_key(self.model), batch.fields(),
                                      maxlen=self.stream_maxlen, approximate=True)
-        self.seq, self.stream_id, self.pending = batch.seq, rs._text(sid), []
+        self.seq, self.stream_id, self.pending, self.pending_host = batch.seq, rs._text(sid), [], []
 
     async def _heartbeat(self) -> None:
         lease = self._lease(self.engine.stats())
@@ -169,7 +177,13 @@ class Publisher:
                         free_blocks=st.free_blocks, seq=self.seq, ts=time.time(),
                         prefill_tps=self.rates.prefill_tps, decode_tps=self.rates.decode_tps,
                         step_s=self.rates.step_s, max_batched_tokens=getattr(st, "max_num_batched_tokens", 0),
-                        name=self.name, tokenizer_digest=self.tokenizer_digest, **self._adapters())
+                        name=self.name, tokenizer_digest=self.tokenizer_digest, **self._adapters(),
+                        host_blocks=getattr(st, "host_blocks", 0), kv_copy_tps=self._copy_tps(st))
+
+    def _copy_tps(self, st) -> float:
+        """Tokens per second of KV copies between the tiers, as measured so far (0: none yet)."""
+        seconds = getattr(st, "kv_copy_seconds", 0.0)
+        return min(getattr(st, "kv_copied_blocks", 0) * self.engine.block_size / seconds, 1e12) if seconds > 0 else 0.0
 
     def _adapters(self) -> dict:
         """The engine's LoRA adapters, bounded as the schema bounds them (test stand-ins have none)."""
@@ -182,13 +196,29 @@ class Publisher:
 
     async def _snapshot(self) -> None:
         key, ttl = rs.snapshot_key(self.worker_id), int(max(self.lease_ttl_s, 3 * self.snapshot_s) * 1000)
-        if self.pending:                   # snapshot only once every drained event is in the stream
+        if self.pending or self.pending_host:   # snapshot only once every drained event is in the stream
             return
+        by_tier = getattr(self.engine, "cached_hashes_by_tier", None)
+        if not getattr(self.engine.stats(), "host_blocks", 0):
+            by_tier = None          # no host tier: the device snapshot alone, as before
+        host_key = rs.host_snapshot_key(self.worker_id)
         if not self.need_snapshot and self.snapshot_seq == self.seq and await self._redis.pexpire(key, ttl):
+            if by_tier is not None:
+                await self._redis.pexpire(host_key, ttl)
             return
         # Taken after the push: events the engine logs meanwhile come in later batches, and
         # replaying them on this snapshot converges because set add/remove are idempotent.
-        snap = rs.Snapshot(self.worker_id, self.epoch, self.seq, self.stream_id,
-                           list(self.engine.cached_block_hashes()))
-        await self._redis.set(key, snap.encode(), px=ttl)
+        if by_tier is None:
+            device, host = list(self.engine.cached_block_hashes()), None
+        else:
+            device, host = by_tier()
+        snap = rs.Snapshot(self.worker_id, self.epoch, self.seq, self.stream_id, device)
+        if host is None:
+            await self._redis.set(key, snap.encode(), px=ttl)
+        else:
+            host_snap = rs.Snapshot(self.worker_id, self.epoch, self.seq, self.stream_id, host)
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(key, snap.encode(), px=ttl)
+                pipe.set(host_key, host_snap.encode(), px=ttl)
+                await pipe.execute()
         self.snapshot_seq, self.need_snapshot = snap.seq, False

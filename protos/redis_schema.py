@@ -13,6 +13,14 @@ milliseconds old rather than a heartbeat old.
 
 The epoch is new for every process, so a router never mixes a dead process's blocks with its
 successor's even when both use the same worker id.
+
+Tiers (issue 23): a worker with a host-memory KV tier reports those blocks apart from its device
+blocks, in places a reader of the device schema never looks, so such a reader is unharmed and
+simply sees the device tier: a batch's host events go in its own field ("hv", packed as "ev"), the
+host blocks' snapshot in its own key (same format and sequence number as the device snapshot,
+written with it in one transaction), and the lease names the tier's size and copy rate. "stored"
+on the device tier means the device pool holds the block now; on the host tier, the host pool
+does. A block may be in both.
 """
 from __future__ import annotations
 
@@ -50,6 +58,11 @@ def load_key(model: str) -> str:
 
 def snapshot_key(worker_id: str) -> str:
     return f"{PREFIX}:snapshot:{worker_id}"
+
+
+def host_snapshot_key(worker_id: str) -> str:
+    """The host tier's blocks: a Snapshot whose seq equals the device snapshot's when current."""
+    return f"{PREFIX}:snapshot-host:{worker_id}"
 
 
 def new_epoch() -> int:
@@ -97,6 +110,10 @@ class Lease:
     # them already in a device slot (no load before the first step).
     lora_adapters: list[str] = field(default_factory=list)
     lora_resident: list[str] = field(default_factory=list)
+    # Host KV tier (0 blocks: none): its size, and the rate the worker measured of copying KV
+    # between the tiers, in tokens per second (0 = not known; routers assume a default).
+    host_blocks: int = 0
+    kv_copy_tps: float = 0.0
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -133,7 +150,7 @@ class Lease:
 
 # Speed figures feed the router's arithmetic directly: out-of-range values are refused, not used.
 _LEASE_BOUNDS = {"prefill_tps": (0.0, 1e9), "decode_tps": (0.0, 1e9), "step_s": (0.0, 60.0),
-                 "max_batched_tokens": (0, 1 << 24)}
+                 "max_batched_tokens": (0, 1 << 24), "host_blocks": (0, 1 << 32), "kv_copy_tps": (0.0, 1e12)}
 MAX_LEASE_BYTES = 48 << 10
 MAX_TEXT = 512                      # worker ids, model names, addresses
 MAX_LORA_ADAPTERS = 64              # names in each of a lease's adapter lists
@@ -184,9 +201,14 @@ class EventBatch:
     epoch: int
     seq: int
     events: list[tuple[str, bytes]] = field(default_factory=list)
+    host_events: list[tuple[str, bytes]] = field(default_factory=list)     # the host tier's
 
     def fields(self) -> dict[str, bytes | str]:
-        return {"w": self.worker_id, "e": str(self.epoch), "n": str(self.seq), "ev": pack_events(self.events)}
+        out: dict[str, bytes | str] = {"w": self.worker_id, "e": str(self.epoch), "n": str(self.seq),
+                                       "ev": pack_events(self.events)}
+        if self.host_events:
+            out["hv"] = pack_events(self.host_events)
+        return out
 
     @classmethod
     def from_fields(cls, fields: dict) -> "EventBatch":
@@ -195,7 +217,7 @@ class EventBatch:
             worker_id, epoch, seq = _text(f["w"]), int(f["e"]), int(f["n"])
             if len(worker_id) > MAX_TEXT or not 0 <= epoch <= _MAX_INT or not 0 <= seq <= _MAX_INT:
                 raise ValueError("worker id, epoch or seq out of range")
-            return cls(worker_id, epoch, seq, unpack_events(f.get("ev", b"")))
+            return cls(worker_id, epoch, seq, unpack_events(f.get("ev", b"")), unpack_events(f.get("hv", b"")))
         except (KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
             raise ValueError(f"event batch: malformed ({e})") from None
 

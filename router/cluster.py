@@ -294,7 +294,10 @@ class Cluster:
             return
         if snap.epoch != w.lease.epoch or self.workers.get(w.id) is not w:
             return
-        self.index.replace_worker(w.id, snap.hashes)
+        host = await self._host_snapshot(w, snap) if w.lease.host_blocks else []
+        if self.workers.get(w.id) is not w:
+            return
+        self.index.replace_worker(w.id, snap.hashes, host)
         w.seq = snap.seq
         key, cursor = rs.events_key(w.lease.model), self.cursors[w.lease.model]
         start = "-" if snap.stream_id == "0-0" else "(" + snap.stream_id
@@ -308,6 +311,25 @@ class Cluster:
                 break
             start = "(" + rs._text(entries[-1][0])
         log.info("router: synced worker %s: %d blocks", w.id, self.index.blocks_of(w.id))
+
+    async def _host_snapshot(self, w: WorkerState, snap: rs.Snapshot) -> list[bytes]:
+        """The worker's host-tier blocks as of `snap` (written with it); none when that snapshot
+        is missing, bad, or of another sequence number (its events still arrive on the stream)."""
+        key = rs.host_snapshot_key(w.id)
+        size = await self._redis.strlen(key)
+        bound = min(rs.Snapshot.max_bytes(w.lease.host_blocks), self.max_snapshot_bytes)
+        if not size or size > bound:
+            if size:
+                self._reject(key, f"snapshot of {size} bytes, more than {bound} for {w.lease.host_blocks} blocks")
+            return []
+        try:
+            host = rs.Snapshot.decode(await self._redis.get(key) or b"")
+        except ValueError as e:
+            self._reject(key, e)
+            return []
+        if (host.worker_id, host.epoch, host.seq) != (snap.worker_id, snap.epoch, snap.seq):
+            return []
+        return host.hashes
 
     async def _read_streams(self, block_ms: int | None) -> None:
         if not self.cursors:
@@ -347,6 +369,8 @@ class Cluster:
         if w.seq is not None and batch.seq <= w.seq:
             return                              # already in the snapshot
         self.index.apply(w.id, batch.events)
+        if batch.host_events:
+            self.index.apply_host(w.id, batch.host_events)
         if w.seq is not None and batch.seq == w.seq + 1:
             w.seq = batch.seq
         elif w.seq is not None:

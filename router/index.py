@@ -23,6 +23,11 @@ touches a chain's matched blocks from the last to the first, so that eviction sh
 from its end, and never takes the first block while leaving the rest unreachable. Speculative
 entries (a prefix just routed to a worker, before the worker reports it) expire unless the
 worker's own "stored" event confirms them first.
+
+Tiers: blocks a worker holds only in host memory (its host KV tier, issue 23) are kept apart, in
+a second bitmap dict with the same worker bits and its own bound, so the device walk above is
+unchanged; overlap_tiers walks the chain through either tier (a host block costs a copy, where a
+device block costs nothing and a missing one a prefill: router/scoring.py prices the three).
 """
 from __future__ import annotations
 
@@ -50,6 +55,10 @@ class BlockIndex:
         # Speculations in the order made, so in deadline order (the clock is monotonic): expiry
         # looks at those due, never at every speculative block.
         self._speculated: deque[tuple[float, str, tuple[bytes, ...]]] = deque()
+        # The host tier: hash -> bitmap of workers holding it in host memory, least recently
+        # touched first, and each worker's host hashes.
+        self._host: OrderedDict[bytes, int] = OrderedDict()
+        self._host_of: dict[str, dict[bytes, None]] = {}
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -105,17 +114,66 @@ class BlockIndex:
         for kind, h in events:
             (self.add if kind == "stored" else self.remove)(worker, (h,))
 
+    def host_blocks_of(self, worker: str) -> int:
+        return len(self._host_of.get(worker, ()))
+
+    def has_host_blocks(self) -> bool:
+        return bool(self._host)
+
+    def add_host(self, worker: str, hashes: Iterable[bytes]) -> None:
+        """Blocks the worker reports in its host tier."""
+        flag, host = self._flag(worker), self._host
+        mine = self._host_of.setdefault(worker, {})
+        for h in hashes:
+            host[h] = host.get(h, 0) | flag
+            host.move_to_end(h)
+            mine[h] = None
+        n = len(host) - self.max_blocks
+        for _ in range(max(n, 0)):
+            h, m = host.popitem(last=False)
+            while m:
+                low = m & -m
+                self._host_of.get(self._name[low.bit_length() - 1], {}).pop(h, None)
+                m ^= low
+
+    def remove_host(self, worker: str, hashes: Iterable[bytes]) -> None:
+        bit = self._bit.get(worker)
+        if bit is None:
+            return
+        keep, host, mine = ~(1 << bit), self._host, self._host_of.get(worker, {})
+        for h in hashes:
+            mine.pop(h, None)
+            m = host.get(h)
+            if m is not None:
+                m &= keep
+                if m:
+                    host[h] = m
+                else:
+                    del host[h]
+
+    def apply_host(self, worker: str, events: Sequence[tuple[str, bytes]]) -> None:
+        for kind, h in events:
+            (self.add_host if kind == "stored" else self.remove_host)(worker, (h,))
+
+    def overlap_tiers(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """Leading blocks of `hashes` each worker holds in either tier (device or host)."""
+        owners, host = self._owners, self._host
+        held = list(takewhile(bool, accumulate((owners.get(h, 0) | host.get(h, 0) for h in hashes), and_)))
+        return self._depths(held)
+
     def drop_worker(self, worker: str) -> None:
         if worker not in self._bit:
             return
+        self.remove_host(worker, list(self._host_of.pop(worker, {})))
         self.remove(worker, list(self._by_worker[worker]))
         bit = self._bit.pop(worker)
         del self._name[bit], self._by_worker[worker], self._alone[1 << bit]
         self._free_bits.append(bit)        # every block has lost this bit: safe to hand out again
 
-    def replace_worker(self, worker: str, hashes: Iterable[bytes]) -> None:
+    def replace_worker(self, worker: str, hashes: Iterable[bytes], host_hashes: Iterable[bytes] = ()) -> None:
         self.drop_worker(worker)
         self.add(worker, hashes)
+        self.add_host(worker, host_hashes)
 
     def speculate(self, worker: str, hashes: Sequence[bytes], now: float | None = None) -> None:
         """Record that `worker` is about to cache `hashes` (not yet reported)."""
@@ -156,19 +214,27 @@ class BlockIndex:
         owners = self._owners
         # held[i]: the workers holding all of blocks 0..i; it stops before the first empty one.
         held = list(takewhile(bool, accumulate(map(owners.get, hashes, repeat(0)), and_)))
+        if not held:
+            return {}
+        deque(map(owners.move_to_end, hashes[len(held) - 1::-1]), maxlen=0)
+        result = self._depths(held)
+        if workers is not None:
+            wanted = set(workers)
+            result = {w: n for w, n in result.items() if w in wanted}
+        return result
+
+    def _depths(self, held: list[int]) -> dict[str, int]:
+        """Each worker's depth, from the running AND of a chain's owner bitmaps (held[i]: the
+        workers holding blocks 0..i)."""
         result: dict[str, int] = {}
         if not held:
             return result
-        deque(map(owners.move_to_end, hashes[len(held) - 1::-1]), maxlen=0)
         marks = list(dict.fromkeys(held))       # each a subset of the one before
         start = 0
         for mask, after in zip(marks, marks[1:]):
             start = held.index(after, start)
             self._record(mask & ~after, start, result)    # these stop here
         self._record(marks[-1], len(held), result)
-        if workers is not None:
-            wanted = set(workers)
-            result = {w: n for w, n in result.items() if w in wanted}
         return result
 
     def _record(self, bits: int, depth: int, result: dict[str, int]) -> None:

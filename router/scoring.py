@@ -61,6 +61,17 @@ whose holders are near the mean (the copy's prefill would be paid for a gap that
 itself: shared_prompts lost a point of hit rate and 16 ms of TTFT p90 at 4 workers without this
 condition), is costed as before.
 
+Host tier (issue 23): a worker may hold blocks of the prefix in host memory, which it copies back
+to the device instead of computing them. With C counted over the device tier and C' >= C over
+either tier (the chain may run on through host blocks), the worker's extra C' - C tokens save
+their prefill less the copy:
+
+    cost      -= (C' - C) * (per_token - copy)      copy = min(1 / Rc, per_token)
+
+with Rc the copy rate the worker reports (kv_copy_tps, tokens per second), DEFAULT_KV_COPY_TPS
+until it has. A host hit thus ranks between a device hit and a miss: it saves as much as a device
+hit less the copy, and never less than nothing.
+
 The cost is evaluated for all of a model's workers at once over numpy arrays of each worker's
 figures. A report rewrites its worker's row where the Redis sync applies it; credits, first
 tokens and ends mark the row for the next decision to recompute. A decision thus recomputes only
@@ -91,6 +102,10 @@ KV_KNEE = 0.8
 KV_PENALTY_TOKENS = 4096      # at a full pool, as bad as this much queued prefill
 # Speed assumed until a worker has measured its own (an older worker, or the first heartbeat).
 DEFAULT_PREFILL_TPS, DEFAULT_DECODE_TPS, DEFAULT_STEP_S, DEFAULT_BATCH_TOKENS = 10_000.0, 2_000.0, 0.005, 2048
+# Host -> device KV copy, tokens per second, until a worker reports its own: an 8B Llama's KV is
+# 128 KiB a token, and pinned copies over PCIe 4/5 run at 25-50 GB/s: ~200k-400k tokens/s; the
+# low end, 20x the default prefill rate.
+DEFAULT_KV_COPY_TPS = 200_000.0
 DEFAULT_OUTPUT_TOKENS = 128
 # How long after a request's end a report may still count it. A worker's report is built from
 # stats taken after the step that finished the request, and a finish changes its running count,
@@ -360,14 +375,17 @@ class Scorer:
         if not workers:
             return []
         overlap = self.index.overlap(hashes)
+        tiered = self.index.overlap_tiers(hashes) if self.index.has_host_blocks() else None
         key = prefix_key(hashes, overlap, prompt_len, workers[0].lease.block_size)
-        return self.rank_overlap(model, workers, prompt_len, overlap, limit, max_output, now, key, adapter)
+        return self.rank_overlap(model, workers, prompt_len, overlap, limit, max_output, now, key, adapter, tiered)
 
     def rank_overlap(self, model: str, workers: list[WorkerState], prompt_len: int, overlap: dict[str, int],
                      limit: int | None = None, max_output: int | None = None,
-                     now: float | None = None, prefix: bytes | None = None, adapter: str = "") -> list[Choice]:
-        """rank() given each worker's cached leading blocks (absent = none) and the prompt's
-        prefix_key(): the oracle's entry."""
+                     now: float | None = None, prefix: bytes | None = None, adapter: str = "",
+                     tiered: dict[str, int] | None = None) -> list[Choice]:
+        """rank() given each worker's cached leading blocks (absent = none), the prompt's
+        prefix_key() (the oracle's entry), and each worker's leading blocks over both tiers
+        (None: no worker holds any in host memory)."""
         block = workers[0].lease.block_size
         # The engine always recomputes the last prompt token, so at most prompt_len - 1 hit.
         cap = max(prompt_len - 1, 0)
@@ -407,6 +425,8 @@ class Scorer:
             for i, w in enumerate(workers):
                 if adapter not in w.lease.lora_resident:
                     cost[i] += LORA_LOAD_S
+        if tiered:
+            self._host_hits(f, cost, cached, tiered, block, cap)
         k = n if limit is None else min(limit, n)
         rand = self.rng.random
         if n <= _SMALL:
@@ -418,6 +438,25 @@ class Scorer:
             pick = np.flatnonzero(cost <= kth)
             tied = [(c, rand(), i) for c, i in zip(cost[pick].tolist(), pick.tolist())]
         return [Choice(workers[i], c, cached.get(i, 0), prefix) for c, _, i in sorted(tied)[:k]]
+
+    def _host_hits(self, f: _Figures, cost: np.ndarray, cached: dict[int, int], tiered: dict[str, int],
+                   block: int, cap: int) -> None:
+        """Credit what each worker holds of the prefix past its device hit in host memory (the
+        host tier in the module docstring); `cost` and `cached` change in place."""
+        prefix_aware = self.policy == "prefix_aware"
+        for wid, blocks in tiered.items():
+            i = f.position.get(wid)
+            if i is None:
+                continue
+            device = cached.get(i, 0)
+            extra = min(blocks * block, cap) - device
+            if extra <= 0:
+                continue
+            cached[i] = device + extra
+            if prefix_aware:
+                per_token = f.per_token[i]
+                copy = min(1.0 / (f.workers[i].lease.kv_copy_tps or DEFAULT_KV_COPY_TPS), per_token)
+                cost[i] -= extra * (per_token - copy)
 
     def _spread(self, f: _Figures, cost: np.ndarray, cached: dict[int, int], prefix: bytes,
                 load: np.ndarray, bound: float) -> None:
