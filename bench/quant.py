@@ -13,7 +13,7 @@ carries over to a GPU.
 
 --gpu: one Llama-3-8B decoder layer's linears (q/k/v fused 4096x6144, o 4096x4096, gate/up
 4096x28672, down 14336x4096) at M = 1, 16, 256 rows: bf16 F.linear against fp8 torch._scaled_mm
-(per-token activations) and the int4 Triton kernel, CUDA-event timed, with weight GB/s (decode is
+(per-token activations), the fp8 128x128-block and the int4 Triton kernels, CUDA-event timed, with weight GB/s (decode is
 bound by weight bytes: 4.8 TB/s on an H200). bench/gpu_check.sh runs it.
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ def gpu_bench(args) -> None:
 
     from gpu_worker.quantization import fp8_scaled_mm
     from kernels.quant_ref import pack_int4_rows, quantize_fp8_per_channel
-    from kernels.triton_quant import int4_matmul_triton
+    from kernels.triton_quant import fp8_matmul_triton, int4_matmul_triton
     dev = torch.device("cuda")
     shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
     if args.quick:
@@ -137,11 +137,12 @@ def gpu_bench(args) -> None:
 
     emit(f"{torch.cuda.get_device_name()}: one Llama-3-8B layer's linears, us per call (weight GB/s)")
     emit()
-    emit("| linear (K x N) | M | bf16 | fp8 _scaled_mm | int4 triton (g128) |")
-    emit("|---|---|---|---|---|")
+    emit("| linear (K x N) | M | bf16 | fp8 _scaled_mm | fp8 128x128 triton | int4 triton (g128) |")
+    emit("|---|---|---|---|---|---|")
     for name, (k, n) in shapes.items():
         w = torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
         q8, s8 = quantize_fp8_per_channel(w)
+        sb = s8.reshape(-1, 1)[::128].expand(-(-n // 128), -(-k // 128)).contiguous()    # any block scales
         q4 = torch.randint(0, 16, (k, n), device=dev, generator=g)
         qw = pack_int4_rows(q4)
         zeros = torch.full((k // 128, n), 8, dtype=torch.uint8, device=dev)
@@ -151,10 +152,11 @@ def gpu_bench(args) -> None:
             x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
             t16 = timed(lambda: F.linear(x, w))
             t8 = timed(lambda: fp8_scaled_mm(x, q8, s8))
+            tb = timed(lambda: fp8_matmul_triton(x, q8, sb, (128, 128)))
             t4 = timed(lambda: int4_matmul_triton(x, qw, zeros, scales, g_idx))
-            gbs = [n * k * b / t / 1e3 for b, t in ((2, t16), (1, t8), (0.5, t4))]
+            gbs = [n * k * b / t / 1e3 for b, t in ((2, t16), (1, t8), (1, tb), (0.5, t4))]
             emit(f"| {name} ({k} x {n}) | {m} | {t16:.1f} ({gbs[0]:.0f}) | {t8:.1f} ({gbs[1]:.0f}) | "
-                  f"{t4:.1f} ({gbs[2]:.0f}) |")
+                 f"{tb:.1f} ({gbs[2]:.0f}) | {t4:.1f} ({gbs[3]:.0f}) |")
 
 
 def main() -> None:

@@ -18,9 +18,10 @@ the LM head and the norms stay in the model dtype (as vLLM does), and modules a 
 in `ignore` stay unquantized.
 
 Compute: on CUDA, per-channel fp8 goes through torch._scaled_mm with per-token fp8 activations
-(W8A8); int4 through kernels/triton_quant.py. Elsewhere (and for fp8 blocks on CUDA) the weight is
-dequantized per call and multiplied in the activation dtype: exact against a model built from
-the dequantized weights.
+(W8A8, bf16); block-wise fp8 (and what _scaled_mm cannot take) and int4 through the Triton
+dequantize-matmuls of kernels/triton_quant.py (weight-only). On CPU the weight is dequantized per
+call and multiplied in the activation dtype: exact against a model built from the dequantized
+weights.
 
 Loading: the model is built on the meta device, then quantize_model swaps each quantizable
 nn.Linear for a QuantLinear before the weights are read. The loader hands a QuantLinear its
@@ -331,8 +332,11 @@ class Fp8Linear(QuantLinear):
             raise ValueError(f"model: checkpoint tensor {hf_name} has no place in a {self.cfg.method} layer")
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.cfg.block is None and _scaled_mm_ok(x, self.out_features, self.in_features):
-            return fp8_scaled_mm(x, self.weight, self.weight_scale, self.input_scale)
+        if x.is_cuda:
+            if self.cfg.block is None and _scaled_mm_ok(x, self.out_features, self.in_features):
+                return fp8_scaled_mm(x, self.weight, self.weight_scale, self.input_scale)
+            from kernels.triton_quant import fp8_matmul_triton  # triton loads only when used
+            return fp8_matmul_triton(x, self.weight, self.weight_scale, self.cfg.block)
         return fp8_linear_ref(x, self.weight, self.weight_scale, None, self.cfg.block)
 
 

@@ -1,6 +1,7 @@
-"""The CUDA paths of quantized weights against their torch twins: the Triton int4 dequantize-matmul
-(interpreted on CPU tensors, kernels/launch.py, at tiny fp32/fp16 shapes; compiled in bf16 on a
-GPU) and torch._scaled_mm's W8A8 fp8 (GPU only: its oracle is kernels.quant_ref.fp8_w8a8_ref).
+"""The CUDA paths of quantized weights against their torch twins: the Triton int4 and fp8
+dequantize-matmuls (interpreted on CPU tensors, kernels/launch.py, at tiny fp32/fp16 shapes;
+compiled in bf16 on a GPU) and torch._scaled_mm's W8A8 fp8 (GPU only: its oracle is
+kernels.quant_ref.fp8_w8a8_ref).
 """
 import pytest
 import torch
@@ -9,12 +10,13 @@ from gpu_worker.config import EngineConfig
 from gpu_worker.tiny_quant import quantize_checkpoint
 from kernels.quant_ref import (
     dequantize_fp8_weight,
+    fp8_linear_ref,
     fp8_w8a8_ref,
     int4_linear_ref,
     pack_int4_rows,
     quantize_fp8_per_channel,
 )
-from kernels.triton_quant import int4_matmul_triton, launch_config
+from kernels.triton_quant import fp8_matmul_triton, int4_matmul_triton, launch_config
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -70,6 +72,42 @@ def test_int4_triton_bf16_gpu(shape):
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * want.abs().max().item(), rtol=1e-2)
 
 
+def fp8_case(m, k, n, block, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 100).clamp(-440, 440).to(torch.float8_e4m3fn)
+    s = torch.rand(n, generator=g) if block is None else torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    return x.to(device), w.to(device), s.to(device)
+
+
+# (M, K, N, block): per channel, blocks that leave partial edges, published 128x128 blocks.
+FP8_SHAPES = [(5, 64, 48, None), (20, 96, 40, (32, 32)), (1, 100, 72, (16, 64)), (33, 64, 16, (128, 128))]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("shape", FP8_SHAPES)
+def test_fp8_triton_matches_the_twin_interpreted(shape, dtype, tol):
+    m, k, n, block = shape
+    x, w, s = fp8_case(m, k, n, block, dtype)
+    got = fp8_matmul_triton(x, w, s, block)
+    want = fp8_linear_ref(x, w, s, None, block)
+    assert got.dtype == dtype and got.shape == (m, n)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
+    with pytest.raises(ValueError, match="weight"):
+        fp8_matmul_triton(x[:, :8], w, s, block)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", FP8_SHAPES + [(1, 7168, 2048, (128, 128)), (256, 4096, 4096, (128, 128))])
+def test_fp8_triton_bf16_gpu(shape):
+    m, k, n, block = shape
+    x, w, s = fp8_case(m, k, n, block, torch.bfloat16, "cuda")
+    got = fp8_matmul_triton(x, w, s, block)
+    want = fp8_linear_ref(x, w, s, None, block)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (37, 1024, 3072), (512, 4096, 1024)])
@@ -90,9 +128,11 @@ def test_fp8_scaled_mm_gpu(m, k, n):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt,opts", [("gptq", {"group_size": 32}), ("awq", {"group_size": 32}),
-                                      ("compressed-tensors", {"strategy": "channel"})])
+                                      ("compressed-tensors", {"strategy": "channel"}),
+                                      ("fp8", {"block": (32, 32)})])
 def test_quantized_runner_on_cuda_tracks_the_cpu_twin_gpu(tiny_model_factory, tmp_path, fmt, opts):
-    """The tiny model's per-layer widths (64, 128) take the fp8 _scaled_mm and int4 Triton paths."""
+    """The tiny model's per-layer widths (64, 128) take the fp8 _scaled_mm, fp8 block and int4
+    Triton paths."""
     from gpu_worker.model_runner import ModelRunner
     from gpu_worker.sampling_params import SamplingParams
     from tests.plugins.engine import Chunk, fresh_step
