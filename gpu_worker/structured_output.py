@@ -109,8 +109,8 @@ class GrammarCompiler:
                 return hit
             if self._tokenizer is None:
                 try:
-                    self._tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                      eos_token=self.eos)
+                    self._tokenizer = llg.LLTokenizer(plain_added_tokens(self._tokenizer_json),
+                                                      n_vocab=self.vocab_size, eos_token=self.eos)
                 except ValueError as e:     # the model's tokenizer, not the request, is at fault
                     raise ValueError(f"{spec.param}: structured output is unavailable for this model's "
                                      f"tokenizer ({_one_line(str(e))})") from None
@@ -127,6 +127,29 @@ class GrammarCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+
+def plain_added_tokens(tokenizer_json: str) -> str:
+    """The tokenizer as llguidance should read it. llguidance takes every added token for a special
+    one, whose bytes no grammar can match, so a model that writes an added token that is not
+    special (Hermes' `<tool_call>`, which a grammar spells as text) would leave its grammar. Such
+    tokens, when their text is printable ASCII (which every BPE vocabulary writes as itself), become
+    ordinary entries of the BPE vocabulary in llguidance's copy; the model's tokenizer is unchanged."""
+    try:
+        tok = json.loads(tokenizer_json)
+        vocab, added = tok["model"]["vocab"], tok.get("added_tokens") or []
+    except (ValueError, KeyError, TypeError):
+        return tokenizer_json              # LLTokenizer names what it cannot read
+    if not isinstance(vocab, dict):        # a Unigram model lists its pieces: left as it is
+        return tokenizer_json
+    moved = [t for t in added if not t.get("special") and isinstance(t.get("content"), str) and t["content"]
+             and all(33 <= ord(ch) <= 126 for ch in t["content"]) and vocab.get(t["content"], t["id"]) == t["id"]]
+    if not moved:
+        return tokenizer_json
+    for t in moved:
+        vocab[t["content"]] = t["id"]
+    tok["added_tokens"] = [t for t in added if t not in moved]
+    return json.dumps(tok)
 
 
 def _grammar_text(spec: GuidedSpec) -> str:

@@ -105,6 +105,29 @@ def test_json_object_regex_and_choice(llm, compiler):
         assert outs[2].outputs[0].text.startswith("{")
 
 
+def test_a_grammar_spelling_an_added_token_survives_the_model_writing_it(llm, compiler, tiny_model):
+    """<tool_call> is an added token that is not special: a grammar that spells it as text still
+    matches when the model writes that one token (llguidance alone took it for a special token and
+    ended the sequence there)."""
+    from tokenizers import Tokenizer
+
+    from gpu_worker.structured_output import plain_added_tokens
+    tok = Tokenizer.from_file(os.path.join(tiny_model, "tokenizer.json"))
+    call = '<tool_call>{"name": "f"}</tool_call>'
+    state = compiler.compile(GuidedSpec("choice", json.dumps([call]))).new_state()
+    ids = tok.encode(call, add_special_tokens=False).ids
+    assert ids[0] == tok.token_to_id("<tool_call>")       # one token, as the model writes it
+    state.sync(ids)
+    assert not state.matcher.is_error() and state.matcher.is_accepting()
+    out = llm.generate(["Call:"], [guided(compiler, "choice", json.dumps([call]), temperature=0, max_tokens=40)])
+    assert out[0].outputs[0].text == call and out[0].outputs[0].finish_reason == "stop"
+    # Special tokens stay special; a tokenizer without a BPE vocabulary is passed through.
+    moved = json.loads(plain_added_tokens(open(os.path.join(tiny_model, "tokenizer.json")).read()))
+    assert {t["content"] for t in moved["added_tokens"]} >= {"<s>", "</s>", "<|im_end|>"}
+    assert "<tool_call>" in moved["model"]["vocab"]
+    assert plain_added_tokens('{"model": {"vocab": [["a", 0.0]]}}') == '{"model": {"vocab": [["a", 0.0]]}}'
+
+
 def test_unconstrained_rows_keep_greedy_parity(llm, compiler):
     prompts = ["The sea is", "Once upon a time", "Caches are"]
     plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
