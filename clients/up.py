@@ -115,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
     p.add_argument("--host", default="127.0.0.1", help="address the router and workers bind")
     p.add_argument("--port", type=int, default=50050, help="router port (0 = any free port)")
-    p.add_argument("--http-port", type=int, default=0, help="router's OpenAI HTTP port (0 = any free port)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="router's OpenAI HTTP port (default: any free port, printed; 0 = off, as in "
+                        "`pagoda router`)")
     p.add_argument("--policy", default="prefix_aware", choices=("prefix_aware", "least_loaded", "round_robin"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--num-kv-blocks", type=int, help="passed to each worker")
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     try:                                 # before building or starting anything
         check_port_free(a.host, a.port, "--port")
         check_port_free(a.host, a.router_metrics_port, "--router-metrics-port")
-        check_port_free(a.host, a.http_port, "--http-port")
+        check_port_free(a.host, a.http_port or 0, "--http-port")
     except StartupError as e:
         print(f"pagoda up: {e}", file=sys.stderr, flush=True)
         return 2
@@ -218,7 +220,7 @@ def _run(a, cluster: Cluster) -> int:
         redis_url = f"redis://127.0.0.1:{port}/0"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     router_port = a.port or free_port(a.host)
-    http_port = a.http_port or free_port(a.host)
+    http_port = free_port(a.host) if a.http_port is None else a.http_port
     cluster.spawn("router", [sys.executable, "-m", "router", "--host", a.host, "--port", str(router_port),
                                       "--http-port", str(http_port), "--redis-url", redis_url, "--policy", a.policy,
                                       "--metrics-port", str(a.router_metrics_port)], env)
@@ -248,8 +250,8 @@ def _run(a, cluster: Cluster) -> int:
         if not ready and _router_ready(address):
             ready = True
             print(f"pagoda up: serving {model}; redis {redis_url}", flush=True)
-            print(f"pagoda up: router at {address} (gRPC), OpenAI HTTP at http://{a.host}:{http_port}/v1 "
-                  "(Ctrl-C stops everything)", flush=True)
+            http = f"OpenAI HTTP at http://{a.host}:{http_port}/v1" if http_port else "OpenAI HTTP off"
+            print(f"pagoda up: router at {address} (gRPC), {http} (Ctrl-C stops everything)", flush=True)
         if not ready and time.monotonic() > deadline:
             raise TimeoutError(f"nothing serving at {address} after {a.timeout}s")
         time.sleep(0.2)

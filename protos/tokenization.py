@@ -177,20 +177,22 @@ class PromptTokenizer:
             raise ValueError(f"text: must be a string (got {type(text).__name__})")
         return self._tok.encode(text, add_special_tokens=True).ids
 
-    def render_chat(self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         if self._compiled is None:
             raise ValueError("messages: this model has no chat template; send text or token_ids")
         chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
         if not chat:
             raise ValueError("messages: must hold at least one message")
-        return self._compiled.render(messages=chat, tools=None, documents=None,
+        return self._compiled.render(messages=chat, tools=tools or None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self.special_tokens)
 
-    def encode_chat(self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """As `hf_tokenizer.apply_chat_template(messages, tokenize=True)`: the template writes
-        any BOS itself, so no special tokens are added on top."""
+    def encode_chat(self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """As `hf_tokenizer.apply_chat_template(messages, tools=tools, tokenize=True)`: the
+        template writes any BOS itself, so no special tokens are added on top."""
         try:
-            text = self.render_chat(messages, add_generation_prompt)
+            text = self.render_chat(messages, add_generation_prompt, tools)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"messages: chat template refused them: {e}") from None
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -5,6 +5,7 @@ import argparse
 
 from protos import limits, security
 from router.scoring import POLICIES
+from router.tools import PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,7 +14,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50050)
     p.add_argument("--http-port", type=int, default=8000,
-                   help="OpenAI-compatible HTTP port (/v1/chat/completions, ...); 0 = off")
+                   help="OpenAI-compatible HTTP port (/v1/chat/completions, ..., /metrics); 0 = off "
+                        "(as in `pagoda up`, where it defaults to any free port)")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default="hermes",
+                   help="how /v1/chat/completions reads tool calls out of a model's output with "
+                        "tool_choice auto: hermes (<tool_call>{json}</tool_call>) or llama3_json")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus port (default: --port + 10000); 0 = off")
     p.add_argument("--redis-url", required=True, help="redis://[user:password@]host:port/db, or rediss:// "

@@ -28,8 +28,10 @@ import grpc
 from aiohttp import web
 
 from protos.pagoda.v1 import pagoda_pb2 as pb
+from router import tools
 from router.errors import RouterError
 from router.pipeline import Pipeline
+from router.tools import ToolError, ToolPlan, chat_messages
 
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
                 grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -49,7 +51,8 @@ _BOOL_PARAMS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output
 _STRUCTURED = ("response_format", "guided_json", "guided_choice", "guided_regex")
 _COMMON = {"model", "max_tokens", "stop", "logit_bias", "stream", "stream_options", "user", "cache_salt",
            "priority", "stop_token_ids", "logprobs", *_STRUCTURED, *_INT_PARAMS, *_FLOAT_PARAMS, *_BOOL_PARAMS}
-_ALLOWED = {"chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt"},
+_ALLOWED = {"chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
+                               "tools", "tool_choice", "parallel_tool_calls"},
             "completion": _COMMON | {"prompt", "echo", "prompt_logprobs"}}
 _STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's legacy completions default
@@ -193,27 +196,17 @@ def _structured(body: dict, sp: pb.SamplingParams) -> None:
         so.regex = value
 
 
-def _messages(body: dict) -> list[pb.ChatMessage]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise _bad("messages", "must be a non-empty list of messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _bad("messages", f"message {i} needs a role")
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise _bad("messages", f"message {i}: unsupported field(s) {', '.join(sorted(extra))}")
-        content = m.get("content")
-        if isinstance(content, list):       # content parts: only text is served
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise _bad("messages", f"message {i}: only text content parts are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise _bad("messages", f"message {i}: content must be a string or text parts")
-        out.append(pb.ChatMessage(role=m["role"], content=content))
-    return out
+def _messages(body: dict) -> list[dict]:
+    try:
+        return chat_messages(body.get("messages"))
+    except ToolError as e:
+        raise ApiError(400, str(e), e.param) from None
+
+
+def renders_tools(body: dict, msgs: list[dict]) -> bool:
+    """The front renders the chat itself (tools, tool calls and results need more than
+    pagoda.v1 ChatMessage carries)."""
+    return body.get("tools") is not None or any("tool_calls" in m or "tool_call_id" in m for m in msgs)
 
 
 def build_requests(body: Any, kind: str) -> list[pb.GenerateRequest]:
@@ -236,7 +229,11 @@ def build_requests(body: Any, kind: str) -> list[pb.GenerateRequest]:
             raise _bad("cache_salt", "must be a string")
         req.cache_salt = body["cache_salt"]
     if kind == "chat":
-        req.messages.extend(_messages(body))
+        msgs = _messages(body)
+        if not renders_tools(body, msgs):        # else the front renders them into token ids
+            req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in msgs)
+        if "parallel_tool_calls" in body:
+            _number(body, "parallel_tool_calls", bool)
         if "add_generation_prompt" in body:
             req.add_generation_prompt = _number(body, "add_generation_prompt", bool)
         return [req]
@@ -412,15 +409,21 @@ def _chat_lp(t: pb.TokenLogprob) -> dict:
 class OpenAIFront:
     """The aiohttp application and its listening site."""
 
-    def __init__(self, service: Pipeline):
-        self.service = service
-        self.app = web.Application(client_max_size=16 * 2**20)
-        self.app.router.add_get("/v1/models", self.models)
-        self.app.router.add_post("/v1/completions", self.completions)
-        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
-        self.app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+    def __init__(self, service: Pipeline, tool_call_parser: str = "hermes"):
+        self.service, self.tool_call_parser = service, tool_call_parser
+        self.app = web.Application(client_max_size=16 * 2**20, middlewares=[_json_errors])
+        add = self.app.router
+        add.add_get("/v1/models", self.models)
+        add.add_get("/v1/models/{model:.+}", self.model)
+        add.add_post("/v1/completions", self.completions)
+        add.add_post("/v1/chat/completions", self.chat_completions)
+        add.add_post("/tokenize", self.tokenize)
+        add.add_post("/detokenize", self.detokenize)
+        add.add_get("/version", self.version)
+        add.add_get("/health", self.health)
+        add.add_get("/metrics", self.metrics)       # GET and HEAD (aiohttp adds HEAD to every GET)
+        add.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        add.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         self.runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -452,14 +455,11 @@ class OpenAIFront:
     async def models(self, request: web.Request) -> web.Response:
         try:
             self._identity(request)
+            data = [await self._model_card(m) for m in self.service.cluster.models()]
         except ApiError as e:
             return e.response()
-        cluster = self.service.cluster
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "pagoda", "root": m, "parent": None}
-                for m in cluster.models()]
         # As vLLM lists them: each LoRA adapter a model of its own, its parent the base model.
-        data += [{"id": name, "object": "model", "created": 0, "owned_by": "pagoda", "root": name, "parent": base}
-                 for name, base in cluster.adapters().items()]
+        data += [self._adapter_card(name, base) for name, base in self.service.cluster.adapters().items()]
         return web.json_response({"object": "list", "data": data})
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
@@ -525,6 +525,118 @@ class OpenAIFront:
         verb = "added" if load else "removed"
         return web.Response(text=f"Success: LoRA adapter '{name}' {verb} successfully.")
 
+    async def model(self, request: web.Request) -> web.Response:
+        """/v1/models/{id}: the model's card, or 404 naming it."""
+        name = request.match_info["model"]
+        try:
+            self._identity(request)
+            adapters = self.service.cluster.adapters()
+            if name in adapters:
+                return web.json_response(self._adapter_card(name, adapters[name]))
+            if name not in self.service.cluster.models():
+                raise ApiError(404, f"model: the model {name!r} does not exist", "model", "model_not_found")
+            return web.json_response(await self._model_card(name))
+        except ApiError as e:
+            return e.response()
+
+    @staticmethod
+    def _adapter_card(name: str, base: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "pagoda", "root": name, "parent": base}
+
+    async def _model_card(self, model: str) -> dict:
+        card: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "pagoda",
+                                "root": model, "parent": None}
+        try:
+            card["max_model_len"] = (await self.service.model_info(model)).max_model_len
+        except RouterError:          # its workers went away meanwhile: the card without the figure
+            pass
+        return card
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: {prompt} or {messages}, -> {count, max_model_len, tokens, token_strs}."""
+        try:
+            self._identity(request)
+            body = await _json_body(request)
+            kind = "chat" if "messages" in body else "completion"
+            allowed = {"model", "add_special_tokens", "return_token_strs"} | (
+                {"messages", "add_generation_prompt", "tools"} if kind == "chat" else {"prompt"})
+            _refuse_unknown(body, allowed)
+            special = "add_special_tokens" not in body or _number(body, "add_special_tokens", bool)
+            req = pb.GenerateRequest(model=_model_name(body))
+            model, pin = await self._pin(req.model)
+            if kind == "chat":
+                plan = self._tool_plan(body)
+                ids = await self._chat_ids(body, pin, plan.tools if plan else None)
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise _bad("prompt", "must be a string")
+                if pin.tokenizer is None:
+                    raise _bad("prompt", f"model {model!r} has no tokenizer")
+                ids = await asyncio.to_thread(pin.tokenizer.encode_text, prompt) if special else \
+                    pin.tokenizer.backend.encode(prompt, add_special_tokens=False).ids
+            strs = None
+            if body.get("return_token_strs") and _number(body, "return_token_strs", bool):
+                strs = [pin.tokenizer.backend.id_to_token(t) for t in ids] if pin.tokenizer else None
+            return web.json_response({"count": len(ids), "max_model_len": pin.info.max_model_len,
+                                      "tokens": ids, "token_strs": strs})
+        except ApiError as e:
+            return e.response()
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: {tokens} -> {prompt}."""
+        try:
+            self._identity(request)
+            body = await _json_body(request)
+            _refuse_unknown(body, {"model", "tokens"})
+            ids = body.get("tokens")
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise _bad("tokens", "must be a list of token ids")
+            model, pin = await self._pin(_model_name(body))
+            if pin.tokenizer is None:
+                raise _bad("tokens", f"model {model!r} has no tokenizer")
+            vocab = pin.tokenizer.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise _bad("tokens", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            return web.json_response({"prompt": pin.tokenizer.decode(ids)})
+        except ApiError as e:
+            return e.response()
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": _version()})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The router's Prometheus metrics on the API port, as vLLM serves its own there."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        body = generate_latest(self.service.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def _tool_plan(self, body: dict) -> ToolPlan | None:
+        try:
+            return tools.plan(body, self.tool_call_parser)
+        except ToolError as e:
+            raise ApiError(400, str(e), e.param) from None
+
+    async def _chat_ids(self, body: dict, pin, tool_list: list[dict] | None) -> list[int]:
+        """The chat rendered by the model's template, tools included, -> token ids."""
+        msgs = _messages(body)
+        agp = "add_generation_prompt" not in body or body["add_generation_prompt"] is None or \
+            _number(body, "add_generation_prompt", bool)
+        if pin.tokenizer is None:
+            raise _bad("messages", f"model {pin.info.model!r} has no tokenizer; send a prompt of token ids")
+        try:
+            return await asyncio.to_thread(pin.tokenizer.encode_chat, msgs, agp, tool_list)
+        except ValueError as e:
+            head = str(e).split(":", 1)[0]
+            raise ApiError(400, str(e), head if head.isidentifier() else "messages") from None
+
+    async def _pin(self, model: str):
+        try:
+            return await self.service.pin(model)
+        except RouterError as r:
+            raise ApiError.from_reject(r) from None
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completion")
 
@@ -534,11 +646,21 @@ class OpenAIFront:
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
             ident = self._identity(request)
-            try:
-                body = await request.json()
-            except ValueError as e:
-                raise ApiError(400, f"body: not valid JSON ({e})") from None
+            body = await _json_body(request)
             reqs = build_requests(body, kind)
+            plan = self._tool_plan(body) if kind == "chat" else None
+            if kind == "chat" and not reqs[0].messages:      # tools: rendered here
+                model, pin = await self._pin(reqs[0].model)
+                reqs[0].token_ids[:] = await self._chat_ids(body, pin, plan.tools if plan else None)
+            if plan is not None and plan.schema() is not None:
+                if reqs[0].sampling.HasField("structured_output"):
+                    raise _bad("tool_choice", f"{plan.choice} tool choice and response_format/guided_* "
+                                              "both constrain the output: give one")
+                reqs[0].sampling.structured_output.json_schema = json.dumps(plan.schema())
+            if plan is not None and not plan.parses:
+                plan = None
+            if plan is not None and body.get("parallel_tool_calls") is False:
+                plan.single = True
             stream = "stream" in body and _number(body, "stream", bool)
             usage_in_stream, continuous = _stream_options(body, stream)
             echo = kind == "completion" and body.get("echo") is True
@@ -568,14 +690,14 @@ class OpenAIFront:
                 return ApiError(503, "no worker answered").response()
             merged = await stack.enter_async_context(contextlib.aclosing(_merge(upstreams, firsts)))
             if stream:
-                return await self._stream(request, head, choices, merged, usage_in_stream, continuous)
+                return await self._stream(request, head, choices, merged, usage_in_stream, continuous, plan)
             try:
                 async for p, resp in merged:
                     choices.add(p, resp)
             except RouterError as r:
                 return ApiError.from_reject(r).response()
         scored = kind == "completion" and "prompt_logprobs" in body
-        return web.json_response({**head, "choices": [self._choice(kind, choices, i, scored)
+        return web.json_response({**head, "choices": [self._choice(kind, choices, i, scored, plan)
                                                        for i in range(len(choices.text))],
                                   "usage": choices.usage()})
 
@@ -625,10 +747,15 @@ class OpenAIFront:
         return list(ids)
 
     @staticmethod
-    def _choice(kind: str, choices: _Choices, i: int, scored: bool = False) -> dict:
+    def _choice(kind: str, choices: _Choices, i: int, scored: bool = False, plan: ToolPlan | None = None) -> dict:
         out: dict[str, Any] = {"index": i, "logprobs": choices.final_logprobs(i),
                                "finish_reason": choices.finish[i], "stop_reason": choices.stop_reason[i]}
-        if kind == "chat":
+        if kind == "chat" and plan is not None:
+            content, calls = tools.parse(choices.text[i], plan)
+            out["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+            if calls:
+                out["finish_reason"] = "tool_calls"
+        elif kind == "chat":
             out["message"] = {"role": "assistant", "content": choices.text[i]}
         else:
             out["text"] = choices.text[i]
@@ -636,7 +763,8 @@ class OpenAIFront:
             out["prompt_logprobs"] = choices.prompt_logprobs(i)
         return out
 
-    async def _stream(self, request, head, choices, merged, usage_in_stream, continuous) -> web.StreamResponse:
+    async def _stream(self, request, head, choices, merged, usage_in_stream, continuous,
+                      plan: ToolPlan | None = None) -> web.StreamResponse:
         kind = choices.kind
         head = {**head, "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -646,6 +774,8 @@ class OpenAIFront:
             await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
         started: set[int] = set()
+        parsers: dict[int, tools.ToolCallStream] = {}
+        choice: dict[str, Any]
         try:
             async for p, delta in merged:
                 i, text, lps, finish = choices.add(p, delta)
@@ -657,8 +787,24 @@ class OpenAIFront:
                         chunk["usage"] = {"prompt_tokens": choices.prompt_tokens[p], "completion_tokens": 0,
                                           "total_tokens": choices.prompt_tokens[p]}
                     await send(chunk)
-                if text or lps or finish:
-                    choice: dict[str, Any] = {"index": i, "logprobs": lps, "finish_reason": finish}
+                if plan is not None:          # tool calls: content and tool_calls deltas
+                    parser = parsers.setdefault(i, tools.ToolCallStream(plan))
+                    deltas = parser.feed(text, last=finish is not None)
+                    if finish and parser.calls:
+                        finish = "tool_calls"
+                    if not deltas and (lps or finish):
+                        deltas = [{}]
+                    for k, d in enumerate(deltas):
+                        end = finish if k == len(deltas) - 1 else None
+                        choice = {"index": i, "delta": d, "logprobs": lps if k == 0 else None, "finish_reason": end}
+                        if end:
+                            choice["stop_reason"] = choices.stop_reason[i]
+                        chunk = {**head, "choices": [choice]}
+                        if continuous:
+                            chunk["usage"] = choices.choice_usage(i)
+                        await send(chunk)
+                elif text or lps or finish:
+                    choice = {"index": i, "logprobs": lps, "finish_reason": finish}
                     if finish:
                         choice["stop_reason"] = choices.stop_reason[i]
                     if kind == "chat":
@@ -676,6 +822,52 @@ class OpenAIFront:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """aiohttp's own answers (no such route, a wrong method) as OpenAI error objects, not text."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        why = {404: f"no route {request.path!r} (the OpenAI API is under /v1)",
+               405: f"method {request.method} not allowed on {request.path!r}"}.get(e.status, e.reason)
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        err = ApiError(e.status, why)
+        return web.json_response(err.body(), status=e.status, headers=headers)
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise ApiError(400, f"body: not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "body: must be a JSON object")
+    return body
+
+
+def _refuse_unknown(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(k for k in set(body) - allowed if body[k] is not None)
+    if unknown:
+        raise ApiError(400, f"{unknown[0]}: unsupported parameter(s): {', '.join(unknown)}", unknown[0])
+
+
+def _model_name(body: dict) -> str:
+    model = body.get("model") or ""
+    if not isinstance(model, str):
+        raise _bad("model", "must be a string")
+    return model
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("pagoda-serve")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 async def _first_of_each(upstreams: list) -> list[pb.GenerateResponse]:

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from protos import serving
 from protos.heap import freeze_heap
 from protos.limits import Limits
+from protos.metrics_http import start_metrics_server
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.security import AuthInterceptor, KeyRing, channel_credentials, read_key, server_credentials
 from protos.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
@@ -77,8 +78,7 @@ class Router:
         name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
         reflection.enable_server_reflection([name, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         if self.metrics_port:
-            from prometheus_client import start_http_server
-            start_http_server(self.metrics_port, addr=self.host, registry=self.metrics.registry)
+            start_metrics_server(self.metrics_port, self.host, self.metrics.registry)
         await self.cluster.start()
         await self.cluster.wait_synced(2.0)
         await self.server.start()
@@ -86,7 +86,7 @@ class Router:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.http_port:
             from router.openai_api import OpenAIFront
-            self.http = OpenAIFront(self.pipeline)
+            self.http = OpenAIFront(self.pipeline, self.args.tool_call_parser)
             await self.http.start(self.host, self.http_port)
         self._sync_health = asyncio.create_task(self._report_sync())
         freeze_heap()

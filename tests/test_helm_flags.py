@@ -90,6 +90,7 @@ def test_values_map_one_to_one_onto_flags():
         "router": {"index_max_blocks": r["indexMaxBlocks"], "speculative_ttl": r["speculativeTtl"],
                    "max_attempts": r["maxAttempts"], "port": 50050, "metrics_port": 9101, "http_port": 8000,
                    "redis_url": "redis://rel-pagoda-redis:6379/0", "policy": "prefix_aware",
+                   "tool_call_parser": "llama3_json",
                    "first_token_timeout": 20, "max_snapshot_bytes": 1 << 24, "max_concurrent_streams": 512,
                    "max_n": 4, "max_id_bytes": 128, "tls_cert": "/etc/pagoda/tls/tls.crt",
                    "tls_client_ca": "/etc/pagoda/tls/ca.crt", "api_keys_file": "/etc/pagoda/api-keys/api-keys",

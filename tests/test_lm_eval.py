@@ -129,7 +129,7 @@ def generation_tokens(metrics_url: str) -> float:
 def cluster(tiny_model, tmp_path_factory):
     """`pagoda up` with one CPU worker on the tiny model: (OpenAI base URL, worker metrics URL)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "clients.up", "--workers", "1", "--port", "0", "--http-port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "clients.up", "--workers", "1", "--port", "0",
                              "--device", "cpu", "--num-kv-blocks", "128", "--model", tiny_model,
                              "--cache-dir", str(tmp_path_factory.mktemp("up"))],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

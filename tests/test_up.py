@@ -77,3 +77,41 @@ def test_router_import_is_light():
     code = ("import sys, router.server, router.args, router.openai_api; "
             "assert 'torch' not in sys.modules and not any(m.startswith('gpu_worker') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_http_port_zero_is_off_in_up_as_in_router(tmp_path, tiny_model):
+    """`--http-port 0` means off in `pagoda up` as in `pagoda router` (the chart's httpPort: 0 too);
+    without the flag `pagoda up` picks a free port (the test above reads it)."""
+    from clients.up import build_parser
+    from router.args import build_parser as router_parser
+    assert build_parser().parse_args([]).http_port is None
+    assert "0 = off" in router_parser().format_help() and "0 = off" in build_parser().format_help()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "clients.up", "--workers", "1", "--port", "0", "--http-port", "0",
+                             "--device", "cpu", "--num-kv-blocks", "64", "--model", tiny_model,
+                             "--cache-dir", str(tmp_path / "cache")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("router at" in x for x in lines) and time.monotonic() < deadline:
+            line = proc.stdout.readline()      # type: ignore[union-attr]
+            if not line:
+                break
+            lines.append(line)
+        out = "".join(lines)
+        assert "OpenAI HTTP off" in out and "OpenAI HTTP at" not in out, out
+        router_pid = int(re.search(r"started router \(pid (\d+)\)", out).group(1))      # type: ignore[union-attr]
+        argv = Path(f"/proc/{router_pid}/cmdline").read_bytes().split(b"\0")
+        assert argv[argv.index(b"--http-port") + 1] == b"0"
+        router_log = Path(re.search(r"started router \(pid \d+\), log (\S+)", out).group(1))  # type: ignore[union-attr]
+        assert "OpenAI-compatible HTTP" not in router_log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
