@@ -211,9 +211,11 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, seed: int = 0, **o) -> tup
     return dst, ref
 
 
-def dequantize_fp8_dynamic(src: str, dst: str) -> str:
+def dequantize_fp8_dynamic(src: str, dst: str, tensor_parallel_size: int = 1) -> str:
     """`dst`: `src` with each decoder-layer linear replaced by what --quantization fp8 makes of it
-    (per-channel e4m3, dequantized to fp32): the reference of the dynamic fp8 path."""
+    (per-channel e4m3, dequantized to fp32): the reference of the dynamic fp8 path. Under tensor
+    parallelism each rank quantizes its own slice: the row-parallel o_proj / down_proj rows are
+    cut into tensor_parallel_size column slices, each with its own scale."""
     from safetensors.torch import load_file, save_file
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):
@@ -225,6 +227,9 @@ def dequantize_fp8_dynamic(src: str, dst: str) -> str:
             weights.update(load_file(os.path.join(src, f)))
     for name, w in weights.items():
         if _LINEAR.fullmatch(name):
-            weights[name] = quantize_fp8(w.float(), "channel", scale_dtype=torch.float32)[2]
+            row_parallel = name.endswith(("o_proj.weight", "down_proj.weight"))
+            parts = w.float().chunk(tensor_parallel_size if row_parallel else 1, dim=1)
+            weights[name] = torch.cat([quantize_fp8(p.contiguous(), "channel", scale_dtype=torch.float32)[2]
+                                       for p in parts], dim=1)
     save_file(weights, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     return dst

@@ -129,17 +129,31 @@ def test_fp8_at_load_is_per_channel_e4m3(tiny_model, tmp_path):
     assert 0 < (got[0] - orig).abs().max().item() < 0.3 * orig.abs().max().item()
 
 
-def test_fp8_at_load_shards_over_tensor_parallel_ranks_in_the_loader(tiny_model):
-    # The loader quantizes each rank's slice: a row-parallel layer keeps its all-reduce.
+def test_fp8_at_load_under_tensor_parallelism_quantizes_each_ranks_slice(tiny_model, tmp_path):
+    """TP=2 (gloo ranks): each rank quantizes its shard; greedy output equals TP=1 on the model
+    holding those per-slice dequantized weights (row-parallel layers: one scale per row per rank)."""
     from gpu_worker.loader import load_hf_config, load_model
     from gpu_worker.models.parallel import Shard
+    from tests.test_tensor_parallel import generate
     cfg = load_hf_config(tiny_model)
-    quant = parse_quantization("fp8", cfg)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         gptq = parse_quantization(None, type("C", (), {"quantization_config": {"quant_method": "gptq", "bits": 4}})())
         load_model(tiny_model, cfg, torch.device("cpu"), torch.float32, Shard(0, 2), quant=gptq)
-    model = load_model(tiny_model, cfg, torch.device("cpu"), torch.float32, Shard(0, 1), quant=quant)
-    assert not model.layers[0].self_attn.o_proj.reduce
+    model = load_model(tiny_model, cfg, torch.device("cpu"), torch.float32, Shard(1, 2),
+                       quant=parse_quantization("fp8", cfg))
+    o_proj = model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, Fp8Linear) and o_proj.reduce and o_proj.in_features == cfg.hidden_size // 2
+    prompts = [[5 + i, 40 + 3 * i, 9, 200 + i] * (2 + 3 * i) for i in range(3)]
+    gens = [16, 24, 12]
+    ref = dequantize_fp8_dynamic(tiny_model, str(tmp_path / "ref-tp2"), tensor_parallel_size=2)
+    want, _ = generate(ref, prompts, gens, 1)
+    llm = LLM(tiny_model, device="cpu", num_kv_blocks=32, tensor_parallel_size=2, quantization="fp8")
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, [SamplingParams(temperature=0.0, max_tokens=g) for g in gens])]
+    finally:
+        llm.engine.runner.close()
+    assert got == want
 
 
 @pytest.mark.parametrize("case", ["ct-channel", "ct-block32", "gptq-g32", "awq-g32", "gptq-channel-asym"])
