@@ -5,6 +5,14 @@ generate(...) yields Chunk objects as tokens stream; complete(...) returns one C
 Both take deadlines, TLS and per-call metadata, and retry UNAVAILABLE (no worker, worker
 draining, connection refused) with backoff, but only before the first chunk: after that a
 retry would duplicate text the caller has already seen.
+
+direct=True (routers only): each request asks the router's Route where to go, then streams from
+that worker itself with the grant the router signed, so the router relays nothing. Before the
+first chunk, a worker that cannot be reached (within direct_connect_timeout) or that refuses the
+grant sends the request back through the router's Generate (which fails over as ever); after it,
+errors are the caller's as in proxy mode. Worker channels use the client's TLS settings and
+carry the grant, not the client's API key. A target that does not route (a worker, an older
+router) is streamed from as usual.
 """
 from __future__ import annotations
 
@@ -19,9 +27,17 @@ import grpc
 
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from protos.security import GRANT_HEADER
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 _SAMPLING = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+# Route answers that send the request through the router instead: it does not route (a worker,
+# an older router), cannot sign grants, or has no worker now (Generate retries that with backoff).
+_NO_ROUTE = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE)
+# A direct stream that fails with one of these before its first chunk goes through the router.
+_FALL_BACK = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED)
+_MAX_WORKER_CHANNELS = 64
 
 
 @dataclass
@@ -152,10 +168,14 @@ class _Base:
                  private_key: Optional[bytes] = None, certificate_chain: Optional[bytes] = None,
                  metadata: Optional[Sequence[tuple[str, str]]] = (), timeout: Optional[float] = None,
                  retries: int = 3, backoff: float = 0.2, options: Sequence[tuple] = (),
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, direct: bool = False, direct_connect_timeout: float = 2.0):
         """target: HOST:PORT. tls or any certificate -> a secure channel. metadata is sent on every
         call (per-call metadata is added to it; None means none); timeout is the default per-call deadline in seconds.
-        api_key (default: $PAGODA_API_KEY) is sent as `authorization: Bearer KEY`."""
+        api_key (default: $PAGODA_API_KEY) is sent as `authorization: Bearer KEY`. direct: stream
+        from the worker the router picks (module docstring)."""
+        self.direct, self.direct_connect_timeout = direct, direct_connect_timeout
+        self._routes = direct            # False once the target answered that it does not route
+        self._workers: dict = {}         # worker address -> (channel, stub), in direct mode
         api_key = api_key if api_key is not None else os.environ.get("PAGODA_API_KEY")
         auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.target, self.metadata, self.timeout = target, auth + tuple(metadata or ()), timeout
@@ -170,6 +190,41 @@ class _Base:
 
     def _delay(self, attempt: int) -> float:
         return self.backoff * (2 ** attempt) * (0.5 + random.random())
+
+    def _new_channel(self, address: str):
+        raise NotImplementedError
+
+    def _worker_channel(self, address: str) -> tuple:
+        """(channel, stub, new?) for a worker address; the oldest is closed past the bound."""
+        entry = self._workers.get(address)
+        if entry is not None:
+            return entry + (False,)
+        if len(self._workers) >= _MAX_WORKER_CHANNELS:
+            self._close_channel(self._workers.pop(next(iter(self._workers)))[0])
+        channel = self._new_channel(address)
+        entry = self._workers[address] = (channel, pb_grpc.GenerationStub(channel))
+        return entry + (True,)
+
+    def _close_channel(self, channel) -> None:
+        raise NotImplementedError
+
+    def _no_route(self, e: grpc.RpcError) -> bool:
+        """Route failed: True to go through the router's Generate instead, False to raise."""
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self._routes = False         # not a router that routes: do not ask again
+        return e.code() in _NO_ROUTE
+
+    @staticmethod
+    def _grant_metadata(route: pb.RouteResponse) -> tuple:
+        return ((GRANT_HEADER, route.grant),) if route.grant else ()
+
+    @staticmethod
+    def _through_router(req: pb.GenerateRequest, route: pb.RouteResponse) -> pb.GenerateRequest:
+        """The caller's request, under the id the router gave it (its credit is replaced, not doubled)."""
+        again = pb.GenerateRequest()
+        again.CopyFrom(req)
+        again.request_id = route.request.request_id
+        return again
 
 
 class PagodaClient(_Base):
@@ -190,12 +245,30 @@ class PagodaClient(_Base):
 
     def close(self) -> None:
         self.channel.close()
+        for channel, _ in self._workers.values():
+            channel.close()
+        self._workers.clear()
 
     def generate(self, prompt=None, *, timeout: Optional[float] = None, metadata=None, **kw) -> Iterator[Chunk]:
         """Stream chunks. Closing the iterator early cancels the call (and the request)."""
         yield from self.generate_request(build_request(prompt, **kw), timeout=timeout, metadata=metadata)
 
     def generate_request(self, req: pb.GenerateRequest, *, timeout=None, metadata=None) -> Iterator[Chunk]:
+        if self._routes:
+            route = self._route(req, timeout, metadata)
+            if route is not None:
+                started = False
+                try:
+                    for chunk in self._direct(route, timeout):
+                        started = True
+                        yield chunk
+                    return
+                except grpc.RpcError as e:
+                    if started or e.code() not in _FALL_BACK:
+                        raise
+                except grpc.FutureTimeoutError:
+                    pass                # the worker cannot be reached from here
+                req = self._through_router(req, route)
         attempt = 0
         while True:
             call = self.generation.Generate(req, **self._call_args(timeout, metadata))
@@ -212,6 +285,37 @@ class PagodaClient(_Base):
                 call.cancel()   # no-op when the stream ended; stops the request when abandoned
             time.sleep(self._delay(attempt))
             attempt += 1
+
+    def _route(self, req, timeout, metadata) -> Optional[pb.RouteResponse]:
+        try:
+            return self.generation.Route(req, **self._call_args(timeout, metadata))
+        except grpc.RpcError as e:
+            if self._no_route(e):
+                return None
+            raise
+
+    def _direct(self, route: pb.RouteResponse, timeout) -> Iterator[Chunk]:
+        channel, stub, new = self._worker_channel(route.worker_address)
+        if new:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=self.direct_connect_timeout)
+            except grpc.FutureTimeoutError:
+                self._close_channel(self._workers.pop(route.worker_address)[0])
+                raise
+        call = stub.Generate(route.request, timeout=self.timeout if timeout is None else timeout,
+                             metadata=self._grant_metadata(route))
+        try:
+            for resp in call:
+                yield Chunk.from_proto(resp)
+        finally:
+            call.cancel()
+
+    def _new_channel(self, address: str):
+        return (grpc.secure_channel(address, self._creds, options=self._options) if self._secure
+                else grpc.insecure_channel(address, options=self._options))
+
+    def _close_channel(self, channel) -> None:
+        channel.close()
 
     def complete(self, prompt=None, *, timeout=None, metadata=None, **kw) -> Completion:
         acc = _Assembler()
@@ -257,6 +361,9 @@ class AsyncPagodaClient(_Base):
 
     async def close(self) -> None:
         await self.channel.close()
+        for channel, _ in self._workers.values():
+            await channel.close()
+        self._workers.clear()
 
     async def generate(self, prompt=None, *, timeout: Optional[float] = None, metadata=None,
                        **kw) -> AsyncIterator[Chunk]:
@@ -265,6 +372,21 @@ class AsyncPagodaClient(_Base):
             yield c
 
     async def generate_request(self, req: pb.GenerateRequest, *, timeout=None, metadata=None) -> AsyncIterator[Chunk]:
+        if self._routes:
+            route = await self._route(req, timeout, metadata)
+            if route is not None:
+                started = False
+                try:
+                    async for chunk in self._direct(route, timeout):
+                        started = True
+                        yield chunk
+                    return
+                except grpc.aio.AioRpcError as e:
+                    if started or e.code() not in _FALL_BACK:
+                        raise
+                except asyncio.TimeoutError:
+                    pass                # the worker cannot be reached from here
+                req = self._through_router(req, route)
         attempt = 0
         while True:
             call = self.generation.Generate(req, **self._call_args(timeout, metadata))
@@ -281,6 +403,37 @@ class AsyncPagodaClient(_Base):
                 call.cancel()
             await asyncio.sleep(self._delay(attempt))
             attempt += 1
+
+    async def _route(self, req, timeout, metadata) -> Optional[pb.RouteResponse]:
+        try:
+            return await self.generation.Route(req, **self._call_args(timeout, metadata))
+        except grpc.aio.AioRpcError as e:
+            if self._no_route(e):
+                return None
+            raise
+
+    async def _direct(self, route: pb.RouteResponse, timeout) -> AsyncIterator[Chunk]:
+        channel, stub, _ = self._worker_channel(route.worker_address)
+        if channel.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
+            try:
+                await asyncio.wait_for(channel.channel_ready(), self.direct_connect_timeout)
+            except asyncio.TimeoutError:
+                self._close_channel(self._workers.pop(route.worker_address)[0])
+                raise
+        call = stub.Generate(route.request, timeout=self.timeout if timeout is None else timeout,
+                             metadata=self._grant_metadata(route))
+        try:
+            async for resp in call:
+                yield Chunk.from_proto(resp)
+        finally:
+            call.cancel()
+
+    def _new_channel(self, address: str):
+        return (grpc.aio.secure_channel(address, self._creds, options=self._options) if self._secure
+                else grpc.aio.insecure_channel(address, options=self._options))
+
+    def _close_channel(self, channel) -> None:
+        asyncio.ensure_future(channel.close())
 
     async def complete(self, prompt=None, *, timeout=None, metadata=None, **kw) -> Completion:
         acc = _Assembler()

@@ -27,7 +27,17 @@ from protos import serving
 from protos.limits import Limits, check_fits, check_request
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-from protos.security import AuthInterceptor, KeyRing, acting_identity, scoped_id, scoped_salt, server_credentials
+from protos.security import (
+    AuthInterceptor,
+    GrantError,
+    GrantVerifier,
+    KeyRing,
+    acting_identity,
+    grant_of,
+    scoped_id,
+    scoped_salt,
+    server_credentials,
+)
 from protos.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
 from protos.tokenization import PromptTokenizer, encode_prompt
 
@@ -70,6 +80,8 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         # The engine's tokenizer, the process's only one: prompts, served texts, digest, grammars.
         self.tokenizer: PromptTokenizer = engine.tokenizer
         self.keyring = keyring
+        # Direct mode (protos/security.py): grants signed by a router with one of our admin keys.
+        self.grants = GrantVerifier(keyring, worker_id) if keyring is not None else None
         self.epoch = rs.new_epoch()                # of this process; also in the Redis lease
         self.on_drain = on_drain                   # async callable run once when draining starts
         self.metrics, self.health = metrics, health_servicer
@@ -83,6 +95,13 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request elsewhere")
+        ident = acting_identity(self.keyring, context)
+        grant = grant_of(context) if self.grants is not None else None
+        if grant is not None and self.grants is not None:   # direct mode: the router's grant says who
+            try:
+                ident = self.grants.verify(grant, request)
+            except GrantError as e:
+                await context.abort(e.code, str(e))
         try:
             field, ids = await self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
@@ -99,18 +118,17 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         assert task is not None   # gRPC handlers run as tasks
         self.active.add(task)
         try:
-            async for resp in self._stream(rid, field, ids, params, request, context):
+            async for resp in self._stream(rid, field, ids, params, request, context, ident):
                 resp.request_id = rid          # the caller's id, not the tenant-scoped one
                 yield resp
         finally:
             self.active.discard(task)
 
-    async def _stream(self, rid, field, ids, params, request, context):
+    async def _stream(self, rid, field, ids, params, request, context, ident):
         from gpu_worker.async_llm import QueueFullError
         from gpu_worker.distributed import RankFailure
         t0 = time.monotonic()
         last: dict[int, float] = {}                # per sequence: when its last token went out
-        ident = acting_identity(self.keyring, context)
         stream = self.engine.generate(scoped_id(ident, rid), ids, params, priority=request.priority,
                                       cache_salt=scoped_salt(ident, request.cache_salt), adapter=request.adapter)
         started = False
@@ -284,7 +302,7 @@ class Worker:
         a = self.args
         # Every port and credential first: a mistake is reported before the slow model load.
         creds, self.keyring = _security(a)
-        interceptors = [AuthInterceptor(self.keyring)] if self.keyring else []
+        interceptors = [AuthInterceptor(self.keyring, grants=True)] if self.keyring else []
         self.server = grpc.aio.server(options=server_options(a.max_concurrent_streams), interceptors=interceptors)
         self.port = bind(self.server, a.host, a.port, "--port", creds)
         metrics_port = serving.metrics_port(a.metrics_port, a.port)

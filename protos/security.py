@@ -11,10 +11,23 @@ and their request ids are scoped to the tenant. Admin keys are trusted to act fo
 the router reaches workers with one and names the tenant it acts for in TENANT_HEADER, so the
 worker scopes the request exactly as it would the tenant's own call (and echoes the caller's
 request id, which the router then relays untouched).
+
+Direct mode: a router's Route answers with a worker and a grant, and the client streams from the
+worker itself. The grant is an HMAC, keyed from the router's own key to workers (the admin key it
+already holds: --worker-api-key-file), over the worker id, the tenant the router acts for, an
+expiry and the digest of the exact request; workers hold that key in their keys file, so they
+check it without asking anyone. A worker serves a granted call as the tenant named in the grant,
+only once, only before expiry, only the request it was signed for (the router's limits and
+tenancy hold), and only on the worker the router chose.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import secrets
+import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +38,9 @@ _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _ADMIN_PREFIX = "/pagoda.v1.Admin/"
 # Binary (-bin) so that any printable tenant name travels, not only ASCII.
 TENANT_HEADER = "x-pagoda-tenant-bin"
+GRANT_HEADER = "x-pagoda-grant-bin"
+GRANT_METHOD = "/pagoda.v1.Generation/Generate"     # the one call a grant opens
+GRANT_TTL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -115,12 +131,116 @@ def scoped_id(ident: Identity | None, request_id: str) -> str:
     return request_id if ident is None or ident.admin else f"{ident.tenant}/{request_id}"
 
 
+# ---- grants (direct mode) -------------------------------------------------------------------
+
+_GRANT_VERSION = 1
+# version, key id, expiry (unix ms), nonce (two grants are never the same), scoped?, tenant length
+_GRANT_HEAD = struct.Struct(">B8sQ8sBH")
+_MAC_BYTES = 32
+
+
+class GrantError(Exception):
+    """A grant refused: `code` is the gRPC status to answer, the message says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _grant_secret(key: str) -> tuple[bytes, bytes]:
+    """(key id, HMAC key) derived from an admin key: the key itself never signs or travels."""
+    raw = key.encode()
+    return (hashlib.sha256(b"pagoda-grant-key-id\0" + raw).digest()[:8],
+            hmac.new(raw, b"pagoda-grant-v1", hashlib.sha256).digest())
+
+
+def request_digest(request) -> bytes:
+    """The digest a grant binds: of the request's deterministic encoding (router and worker
+    encode the same message to the same bytes)."""
+    return hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
+
+
+def _mac(secret: bytes, head_and_tenant: bytes, worker_id: str, digest: bytes) -> bytes:
+    wid = worker_id.encode()
+    return hmac.new(secret, head_and_tenant + struct.pack(">H", len(wid)) + wid + digest, hashlib.sha256).digest()
+
+
+class GrantSigner:
+    """The router's side: signs with the key it sends workers (an admin key in their keys file)."""
+
+    def __init__(self, key: str, ttl: float = GRANT_TTL_S):
+        self.key_id, self.secret = _grant_secret(key)
+        self.ttl = ttl
+
+    def sign(self, worker_id: str, ident: Identity | None, request, now: float | None = None) -> tuple[bytes, float]:
+        """(grant, expiry in unix seconds) for `request` on `worker_id`, acting for `ident`."""
+        expires = (time.time() if now is None else now) + self.ttl
+        scoped = ident is not None and not ident.admin
+        tenant = ident.tenant.encode() if scoped and ident is not None else b""
+        head = _GRANT_HEAD.pack(_GRANT_VERSION, self.key_id, int(expires * 1000), secrets.token_bytes(8), scoped,
+                                len(tenant)) + tenant
+        return head + _mac(self.secret, head, worker_id, request_digest(request)), expires
+
+
+class GrantVerifier:
+    """The worker's side: checks grants against the admin keys of its keyring (so a keys-file
+    reload on SIGHUP rotates them too), each grant once."""
+
+    def __init__(self, keyring: KeyRing, worker_id: str):
+        self.keyring, self.worker_id = keyring, worker_id
+        self._keys: dict | None = None
+        self._secrets: dict[bytes, bytes] = {}
+        self._used: dict[bytes, float] = {}        # MAC -> expiry: a grant opens one stream
+
+    def _secret(self, key_id: bytes) -> bytes | None:
+        if self._keys is not self.keyring.keys:
+            self._keys = self.keyring.keys
+            self._secrets = dict(_grant_secret(k) for k, ident in self._keys.items() if ident.admin)
+        return self._secrets.get(key_id)
+
+    def verify(self, grant: bytes, request, now: float | None = None) -> Identity | None:
+        """The identity to serve `request` as (None: unscoped, as the router's admin key), or GrantError."""
+        now = time.time() if now is None else now
+        n = _GRANT_HEAD.size
+        try:
+            version, key_id, expires_ms, _, scoped, tlen = _GRANT_HEAD.unpack_from(grant)
+        except struct.error:
+            raise GrantError(grpc.StatusCode.UNAUTHENTICATED, "grant: malformed") from None
+        if version != _GRANT_VERSION or len(grant) != n + tlen + _MAC_BYTES:
+            raise GrantError(grpc.StatusCode.UNAUTHENTICATED, "grant: malformed")
+        secret = self._secret(key_id)
+        if secret is None:
+            raise GrantError(grpc.StatusCode.UNAUTHENTICATED, "grant: signed with a key this worker does not hold")
+        mac = grant[n + tlen:]
+        if not hmac.compare_digest(mac, _mac(secret, grant[:n + tlen], self.worker_id, request_digest(request))):
+            raise GrantError(grpc.StatusCode.PERMISSION_DENIED,
+                             "grant: not signed for this request on this worker")
+        if expires_ms / 1000 < now:
+            raise GrantError(grpc.StatusCode.UNAUTHENTICATED, "grant: expired; ask the router again")
+        if mac in self._used:
+            raise GrantError(grpc.StatusCode.PERMISSION_DENIED, "grant: already used")
+        if len(self._used) >= 4096:
+            self._used = {m: e for m, e in self._used.items() if e >= now}
+        self._used[mac] = expires_ms / 1000
+        tenant = grant[n:n + tlen].decode("utf-8", "replace")
+        return Identity(tenant) if scoped else None
+
+
+def grant_of(context) -> bytes | None:
+    for k, v in context.invocation_metadata() or ():
+        if k == GRANT_HEADER:
+            return v if isinstance(v, bytes) else str(v).encode()
+    return None
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without a valid key (UNAUTHENTICATED) and Admin calls without an admin
-    key (PERMISSION_DENIED) before the handler runs; health and reflection stay open."""
+    key (PERMISSION_DENIED) before the handler runs; health and reflection stay open. With
+    `grants` (workers), Generate may come with a grant instead of a key: the handler checks it
+    (it needs the request), and refuses the call when it does not hold."""
 
-    def __init__(self, keyring: KeyRing):
-        self.keyring = keyring
+    def __init__(self, keyring: KeyRing, grants: bool = False):
+        self.keyring, self.grants = keyring, grants
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -128,6 +248,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or method.startswith(_OPEN_PREFIXES):
             return handler
         ident = self.keyring.identify(details.invocation_metadata)
+        if ident is None and self.grants and method == GRANT_METHOD \
+                and any(k == GRANT_HEADER for k, _ in details.invocation_metadata or ()):
+            return handler
         if ident is None:
             return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED,
                            "authorization: send `authorization: Bearer KEY` with a valid key")

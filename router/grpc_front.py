@@ -36,6 +36,12 @@ class RouterService:
         finally:
             await stream.aclose()        # a cancelled call ends the upstream call at once
 
+    async def Route(self, request: pb.GenerateRequest, context):
+        try:
+            return await self.pipeline.route(request, identity(self.pipeline.keyring, context))
+        except RouterError as e:
+            await context.abort(e.code, e.message)
+
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context):
         try:
             return await self.pipeline.model_info(request.model)
@@ -55,6 +61,9 @@ def add_to_server(service: RouterService, server: grpc.aio.Server) -> None:
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             service.Generate, request_deserializer=pb.GenerateRequest.FromString, response_serializer=None),
+        "Route": grpc.unary_unary_rpc_method_handler(
+            service.Route, request_deserializer=pb.GenerateRequest.FromString,
+            response_serializer=pb.RouteResponse.SerializeToString),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             service.GetModelInfo, request_deserializer=pb.ModelInfoRequest.FromString,
             response_serializer=pb.ModelInfoResponse.SerializeToString),

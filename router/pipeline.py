@@ -7,9 +7,11 @@ import time
 from contextlib import aclosing
 from typing import AsyncGenerator
 
+import grpc
+
 from protos.limits import Limits
 from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.security import Identity, KeyRing
+from protos.security import GrantSigner, Identity, KeyRing
 from router.breaker import CircuitBreaker
 from router.channels import WorkerChannels
 from router.cluster import Cluster
@@ -26,8 +28,9 @@ _decode = pb.GenerateResponse.FromString
 class Pipeline:
     def __init__(self, cluster: Cluster, scorer: Scorer, metrics: RouterMetrics, channels: WorkerChannels,
                  max_attempts: int = 3, limits: Limits = Limits(), first_token_timeout: float = 60.0,
-                 keyring: KeyRing | None = None):
+                 keyring: KeyRing | None = None, signer: GrantSigner | None = None):
         self.cluster, self.metrics, self.channels, self.keyring = cluster, metrics, channels, keyring
+        self.signer = signer                # direct mode's grants, keyed as the router's key to workers
         self.breaker = CircuitBreaker()
         self.prepare = Preparer(cluster, channels, self.breaker, limits)
         self.select = Selector(scorer, self.breaker, max_attempts)
@@ -49,6 +52,31 @@ class Pipeline:
             raise
         self.metrics.decision_seconds.labels(policy, p.model).observe(time.perf_counter() - p.arrived)
         return self.proxy.stream(p, ranked, timeout)
+
+    async def route(self, request: pb.GenerateRequest, ident: Identity | None = None) -> pb.RouteResponse:
+        """Direct mode: prepare and rank as open() does, credit the best worker as the proxy
+        would, and answer where it is with a grant for this request (protos/security.py). The
+        caller then streams from the worker; failing that, it comes back through Generate."""
+        if self.signer is None and self.keyring is not None:
+            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "direct mode: this router has no --worker-api-key-file to sign grants with; "
+                              "use Generate")
+        policy = self.select.scorer.policy
+        try:
+            p = await self.prepare.prepare(request, ident)
+            ranked = self.select.rank(p.model, p.workers, p.prompt_len, p.hashes, p.upstream.sampling.max_tokens,
+                                      adapter=p.upstream.adapter)
+        except RouterError:
+            self.metrics.decisions.labels(policy, "rejected").inc()
+            raise
+        choice = ranked[0]
+        self.select.claim(choice, p.key, p.prompt_len, p.hashes, direct=True)
+        self.metrics.decision_seconds.labels(policy, p.model).observe(time.perf_counter() - p.arrived)
+        self.metrics.decisions.labels(policy, "direct").inc()
+        w = choice.worker
+        grant, expires = self.signer.sign(w.id, ident, p.upstream) if self.signer is not None else (b"", 0.0)
+        return pb.RouteResponse(worker_address=w.lease.address, worker_id=w.id, request=p.upstream, grant=grant,
+                                expires_at=expires)
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None,
                        ident: Identity | None = None) -> AsyncGenerator[pb.GenerateResponse, None]:

@@ -130,6 +130,9 @@ class Credit:
     prompt_tokens: int = 0   # prefill it was sent with
     first_at: float = float("inf")     # when its first token came (router clock)
     ended_at: float = float("inf")
+    # Direct mode: the client streams from the worker, so this router sees neither its first
+    # token nor its end; the first report that counts it takes it off the ledger altogether.
+    direct: bool = False
 
 
 @dataclass(eq=False)
@@ -167,11 +170,12 @@ class WorkerState:
         """Stable across restarts (for metric labels); the id changes with every process."""
         return self.lease.name or self.lease.worker_id
 
-    def credit(self, request_id: str, prefill_tokens: int, now: float, prefix: bytes | None = None) -> None:
+    def credit(self, request_id: str, prefill_tokens: int, now: float, prefix: bytes | None = None,
+               direct: bool = False) -> None:
         """`prefix`: the deepest cached block the request shares (Choice.prefix), counted in
-        prefix_live until the request ends here or fails."""
+        prefix_live until the request ends here or fails (`direct`: until a report counts it)."""
         self.uncredit(request_id)
-        self.credits[request_id] = Credit(prefill_tokens, now, prefill_tokens)
+        self.credits[request_id] = Credit(prefill_tokens, now, prefill_tokens, direct=direct)
         self.credit_prefill += prefill_tokens
         if prefix is not None:
             self._prefix_of[request_id] = prefix
@@ -233,7 +237,11 @@ class WorkerState:
         self.lease = lease
         self.prefilled = {k: c for k, c in self.prefilled.items() if lease.ts < c.first_at}
         for k in [k for k, c in self.credits.items() if c.sent_at < lease.ts]:
-            c = self.counted[k] = self.credits.pop(k)
+            c = self.credits.pop(k)
+            if c.direct:            # the report carries it from here; no end will come to take it off
+                self._release_prefix(k)
+                continue
+            self.counted[k] = c
             if lease.ts < c.first_at < INF:
                 self.prefilled[k] = c
         self.credit_prefill = sum(c.prefill_tokens for c in self.credits.values())

@@ -26,11 +26,12 @@ class Selector:
                                 adapter)
 
     def claim(self, choice: Choice, request_id: str, prompt_len: int, hashes: Sequence[bytes],
-              sent_at: float | None = None, now: float | None = None) -> None:
+              sent_at: float | None = None, now: float | None = None, direct: bool = False) -> None:
         """The decision taken: credit the worker with the request in flight (stamped `sent_at`,
         wall clock) and record the prompt's blocks there speculatively. The blocks the index
-        already has it holding are skipped, not looked up again."""
+        already has it holding are skipped, not looked up again. `direct`: the client streams from
+        the worker itself, so the credit lasts until a report counts the request."""
         w = choice.worker
         w.credit(request_id, prompt_len - choice.cached_tokens, time.time() if sent_at is None else sent_at,
-                 choice.prefix)
+                 choice.prefix, direct)
         self.scorer.index.speculate(w.id, hashes[choice.cached_tokens // w.lease.block_size:], now)

@@ -23,7 +23,7 @@ from protos.heap import freeze_heap
 from protos.limits import Limits
 from protos.metrics_http import start_metrics_server
 from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.security import AuthInterceptor, KeyRing, channel_credentials, read_key, server_credentials
+from protos.security import AuthInterceptor, GrantSigner, KeyRing, channel_credentials, read_key, server_credentials
 from protos.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
 from router.channels import WorkerChannels
 from router.cluster import Cluster
@@ -57,7 +57,8 @@ class Router:
             raise StartupError(f"TLS/keys: {e}") from None
         self.channels = WorkerChannels(worker_creds, worker_key)
         self.pipeline = Pipeline(self.cluster, Scorer(a.policy, self.index), self.metrics, self.channels,
-                                 a.max_attempts, Limits.from_args(a), a.first_token_timeout, self.keyring)
+                                 a.max_attempts, Limits.from_args(a), a.first_token_timeout, self.keyring,
+                                 GrantSigner(worker_key) if worker_key else None)
         self.service = RouterService(self.pipeline)
         self.cluster.verify = self.channels.verify
         self.host = a.host

@@ -292,3 +292,17 @@ class DrainResponse(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     running: int
     def __init__(self, running: _Optional[int] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("worker_address", "worker_id", "request", "grant", "expires_at")
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    worker_address: str
+    worker_id: str
+    request: GenerateRequest
+    grant: bytes
+    expires_at: float
+    def __init__(self, worker_address: _Optional[str] = ..., worker_id: _Optional[str] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., grant: _Optional[bytes] = ..., expires_at: _Optional[float] = ...) -> None: ...

@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/pagoda.v1.Generation/Route',
+                request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.RouteResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -74,6 +79,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Route(self, request, context):
+        """Routers only (direct mode): choose a worker for the request as Generate would, credit it,
+        and answer where it is and a short-lived grant to stream from it directly. Workers answer
+        UNIMPLEMENTED; a router that cannot sign grants, FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +105,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeRequest.FromString,
                     response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.FromString,
+                    response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.RouteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +193,33 @@ class Generation:
             '/pagoda.v1.Generation/Tokenize',
             protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeRequest.SerializeToString,
             protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.Generation/Route',
+            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.SerializeToString,
+            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,
