@@ -212,6 +212,7 @@ class LLMEngine:
         req = Request(f"{request_id}#beam.{serial}.0", ids, inner, self.block_size, root,
                       priority=priority, parent_id=request_id)
         req.is_beam = req.waits_for_its_token = True
+        req.beam_width = width
         req.lora = self.runner.lora.adapters[adapter] if adapter and self.runner.lora is not None else None
         group = BeamGroup(request_id, list(ids), width, params.n, params.max_tokens, params.ignore_eos,
                           params.length_penalty, beams=[req], cum={req.req_id: 0.0})

@@ -70,6 +70,7 @@ class Request:
         # Beam search: a beam's step appends nothing; it leaves (sampled token, its logprobs) here
         # and sits out until its group picks the continuations (gpu_worker/beam_search.py).
         self.is_beam = False
+        self.beam_width = 0     # set on a beam search's first request only: the slots it fans out to
         self.beam_ready: Optional[tuple[int, TokenLogprobs]] = None
 
     @property
@@ -112,6 +113,7 @@ class Request:
         child.status = RequestStatus.WAITING
         child.num_computed_tokens = child.num_output_placeholders = 0
         child.beam_ready = None
+        child.beam_width = 0
         child.append_output_token(token_id)
         return child
 

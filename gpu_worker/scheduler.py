@@ -181,6 +181,8 @@ class Scheduler:
             req = self.waiting.peek()
             if req.num_output_placeholders:
                 break   # preempted with its token still in flight: back once it has landed
+            if req.beam_width and len(self.running) + req.beam_width > self.max_num_seqs:
+                break   # a new beam search fans out to beam_width sequences: room for all of them
             if req.lora is not None and self.max_loras:
                 if adapters is None:
                     adapters = self._adapters_in_batch()

@@ -49,7 +49,7 @@ def reference_beam_search(model, prompt, width, max_tokens, eos_ids, length_pena
     dict(block_size=8),                                        # the partial block is copied on fork
     dict(block_size=16, enable_prefix_caching=False),
     dict(block_size=8, num_kv_blocks=16),                      # beams preempted: recomputed
-    # Groups queue for sequence slots: ready beams make room for their siblings.
+    # Searches queue for sequence slots: one starts when all its beams fit.
     dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=64),
 ])
 def test_equals_brute_force_reference(tiny_llm_factory, hf_model, setup):
@@ -69,7 +69,7 @@ def test_equals_brute_force_reference(tiny_llm_factory, hf_model, setup):
                 assert s.text == llm.tokenizer.decode(s.output_token_ids, skip_special_tokens=True)
             scores = [s.score for s in out.sequences]
             assert scores == sorted(scores, reverse=True)
-    if "num_kv_blocks" in setup or "max_num_seqs" in setup:
+    if "num_kv_blocks" in setup:
         assert llm.engine.scheduler.num_preemptions > 0
 
 
@@ -203,3 +203,155 @@ def test_engine_limits_name_the_field(tiny_llm_factory):
         llm.generate([PROMPTS[0]], SamplingParams(n=2, best_of=8, use_beam_search=True))
     with pytest.raises(ValueError, match="^max_tokens:"):
         llm.generate([PROMPTS[0]], SamplingParams(n=4, use_beam_search=True, max_tokens=100))
+
+
+def _check_copy_blocks(llm):
+    """ModelRunner.copy_blocks copies whole blocks, every layer's K and V, byte for byte, and
+    touches no other block."""
+    import torch
+    runner = llm.engine.runner
+    for k, v in runner.kv_caches:
+        for t in (k, v):
+            t.view(torch.uint8).random_(0, 120)     # bytes below 120: no fp8 NaN patterns
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    runner.copy_blocks([(3, 7), (5, 1), (3, 2)])
+    for (k0, v0), (k, v) in zip(before, runner.kv_caches):
+        for t0, t in ((k0, k), (v0, v)):
+            a, b = t0.view(torch.uint8), t.view(torch.uint8)
+            assert torch.equal(b[7], a[3]) and torch.equal(b[1], a[5]) and torch.equal(b[2], a[3])
+            untouched = [i for i in range(t.shape[0]) if i not in (1, 2, 7)]
+            assert torch.equal(b[untouched], a[untouched])
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_copy_blocks_cpu(tiny_model, kv_dtype):
+    from gpu_worker.llm import LLM
+    _check_copy_blocks(LLM(tiny_model, device="cpu", block_size=8, num_kv_blocks=16, kv_cache_dtype=kv_dtype))
+
+
+def test_async_scheduling_gives_the_same_beams(tiny_llm_factory):
+    """Pipelined steps (async scheduling): a beam is never scheduled before its step is back, so
+    the search is the same as with collect-first steps."""
+    params = BeamSearchParams(beam_width=4, max_tokens=12)
+    sync = tiny_llm_factory(block_size=8).beam_search(PROMPTS, params)
+    piped = tiny_llm_factory(block_size=8, async_scheduling="on").beam_search(PROMPTS, params)
+    assert [[s.tokens for s in o.sequences] for o in piped] == [[s.tokens for s in o.sequences] for o in sync]
+
+
+def test_beam_search_on_cuda_matches_cpu(tiny_model):
+    """The CUDA twin (bench/gpu_check.sh): block copies on the device, Triton attention over
+    shared blocks, async scheduling (auto: on) holding beams until their step is back; the
+    beams equal the CPU engine's, and copy_blocks is exact there too (fp8 included)."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from gpu_worker.llm import LLM
+    params = BeamSearchParams(beam_width=4, max_tokens=16)
+    cpu = LLM(tiny_model, device="cpu", block_size=16).beam_search(PROMPTS, params)
+    cuda_llm = LLM(tiny_model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=128)
+    got = cuda_llm.beam_search(PROMPTS, params)
+    assert [[s.tokens for s in o.sequences] for o in got] == [[s.tokens for s in o.sequences] for o in cpu]
+    for g, c in zip(got, cpu):
+        assert [s.cum_logprob for s in g.sequences] == pytest.approx([s.cum_logprob for s in c.sequences], abs=1e-3)
+    assert cuda_llm.engine.kv.num_copies > 0
+    _check_copy_blocks(cuda_llm)
+    _check_copy_blocks(LLM(tiny_model, device="cuda", block_size=16, num_kv_blocks=16, kv_cache_dtype="fp8",
+                           enforce_eager=True))
+
+
+def test_fork_shares_blocks_and_copies_the_partial_one_on_write():
+    from gpu_worker.kv_cache_manager import KVCacheManager
+    from gpu_worker.request import Request
+    from protos.block_hash import namespace_root
+    kv = KVCacheManager(16, 4)
+    parent = Request("p", [1, 2, 3, 4, 5, 6], SamplingParams(), 4, namespace_root("m"))
+    assert [b.block_id for b in kv.allocate_slots(parent, 6)] == [0, 1]
+    parent.num_computed_tokens = 6
+    c1, c2 = parent.fork("c1", 9), parent.fork("c2", 10)
+    assert kv.fork(parent, c1) == kv.fork(parent, c2) == 6
+    kv.free(parent)
+    assert [b.ref_cnt for b in kv.pool.blocks[:3]] == [2, 2, 0]
+    for c in (c1, c2):
+        c.num_computed_tokens = 6
+    # c1 writes position 6 into the shared partial block 1: it gets a copy (block 2) first.
+    assert kv.block_ids(c1) == [0, 1] and [b.block_id for b in kv.allocate_slots(c1, 1)] == [0, 2]
+    assert [b.ref_cnt for b in kv.pool.blocks[:3]] == [2, 1, 1]
+    # c2 is now block 1's only holder: it writes in place, nothing copied.
+    assert [b.block_id for b in kv.allocate_slots(c2, 1)] == [0, 1]
+    assert kv.take_copies() == [(1, 2)] and kv.num_copies == 1
+    # A fork at a block boundary copies nothing: the next token starts a new block.
+    for c, t in ((c1, 11), (c2, 12)):
+        c.append_output_token(t)
+        c.num_computed_tokens = 8
+    g = c1.fork("g", 13)
+    kv.fork(c1, g)
+    g.num_computed_tokens = 8
+    assert [b.block_id for b in kv.allocate_slots(g, 1)] == [0, 2, 3] and kv.take_copies() == []
+    for r in (c1, c2, g):
+        kv.free(r)
+    assert kv.pool.num_free_blocks() == 16 and kv.req_to_blocks == {}
+    # No block free for the copy: allocate_slots fails cleanly, nothing changed.
+    small = KVCacheManager(2, 4)
+    parent = Request("p", [1, 2, 3, 4, 5, 6], SamplingParams(), 4, namespace_root("m"))
+    small.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    child = parent.fork("c", 9)
+    small.fork(parent, child)
+    child.num_computed_tokens = 6
+    assert small.allocate_slots(child, 1) is None and small.block_ids(child) == [0, 1]
+    assert small.pending_copies == [] and [b.ref_cnt for b in small.pool.blocks] == [2, 2]
+
+
+def test_ready_beams_make_room_when_nothing_else_can_run():
+    """The scheduler's way out: every sequence slot is held by ready beams and their sibling
+    waits; the last ready beam leaves (blocks and row freed, its candidates kept)."""
+    from gpu_worker.kv_cache_manager import KVCacheManager
+    from gpu_worker.outputs import ModelRunnerOutput
+    from gpu_worker.request import Request, RequestStatus
+    from gpu_worker.scheduler import Scheduler
+    from protos.block_hash import namespace_root
+    s = Scheduler(KVCacheManager(32, 4), 2, 64)
+    beams = [Request(f"b{i}", [1 + i, 2, 3], SamplingParams(logprobs=2), 4, namespace_root("m")) for i in range(3)]
+    for b in beams:
+        b.is_beam = True
+        s.add_request(b)
+    out = s.schedule()
+    assert [x.req_id for x in out.scheduled] == ["b0", "b1"]
+    lps = TokenLogprobs(Logprob(7, -0.1), [Logprob(7, -0.1), Logprob(8, -2.0)])
+    s.update_from_output(out, ModelRunnerOutput({"b0": 7, "b1": 7}, logprobs={"b0": lps, "b1": lps}))
+    assert beams[0].beam_ready == (7, lps) and beams[0].output_token_ids == []   # nothing appended
+    out = s.schedule()
+    assert [x.req_id for x in out.scheduled] == ["b2"]
+    assert "b1" not in s.requests and beams[1].status is RequestStatus.PREEMPTED
+    assert beams[1].beam_ready == (7, lps) and s.kv.block_ids(beams[1]) == [] and "b1" in out.finished_req_ids
+    assert [r.req_id for r in s.running] == ["b0", "b2"]
+
+
+def test_a_released_parent_continues_by_recompute(tiny_llm_factory):
+    """A ready beam that left the scheduler (its KV gone) still has its continuations: its
+    children recompute their prefix. The beams are those of an undisturbed search."""
+    # A 184-token prompt prefilled in 64-token chunks leaves 2 tokens of budget to the 4 beams
+    # in its last chunk's step: 2 beams run, 2 wait, so ready beams are parked there.
+    llm = tiny_llm_factory(block_size=8, max_num_batched_tokens=64)
+    engine = llm.engine
+    params = SamplingParams(n=4, use_beam_search=True, max_tokens=8)
+    other = SamplingParams(temperature=0.0, max_tokens=4)
+
+    def run(release: bool):
+        engine.add_request("beam", PROMPTS[0], params)
+        # A fresh prompt each run: a cached one would need no chunks.
+        engine.add_request("other", list(range(100 + release, 284 + release)), other)
+        finals, released = {}, []
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                if d.finished and d.request_id == "beam":
+                    finals[d.index] = d.token_ids
+            parked = [r for r in engine.scheduler.running if r.beam_ready is not None]
+            if release and parked and not released:
+                engine.scheduler._release(parked[0])
+                released.append(parked[0].req_id)
+        return [finals[i] for i in range(4)], released
+
+    plain, _ = run(False)
+    disturbed, released = run(True)
+    assert released and disturbed == plain

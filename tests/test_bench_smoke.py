@@ -132,3 +132,14 @@ def test_cpu_attention_quick():
                                                         for o in ("torch-ref", "cpu")}
     assert all(float(r["max abs err"]) <= 1e-5 for r in rows)
     assert "C kernel build" in out
+
+
+@pytest.mark.timeout(120)
+def test_beam_quick():
+    """bench/beam.py --quick: both variants give the same beams, sharing holds fewer blocks and
+    copies fewer."""
+    out = run_script("beam.py")
+    rows = {r["variant"]: r for r in table_rows(out, "variant")}
+    assert rows["shared"]["same beams"] == "True"
+    assert int(rows["shared"]["peak blocks held"]) < int(rows["copied"]["peak blocks held"])
+    assert int(rows["shared"]["blocks copied"]) < int(rows["copied"]["blocks copied"])

@@ -1,0 +1,112 @@
+"""Beam search on CPU: KV blocks held and beam tokens per second of width-4 beam search with
+blocks shared among beams (copy-on-write of the partial block) against a fork that copies
+every block (what a pool without reference counts would have to do).
+
+Both variants run the same requests through one LLMEngine (its KV manager's share_on_fork
+toggled), alternating over --rounds, one request group at a time; per variant: the peak of
+blocks held during the search (sampled after every step), the blocks copied, single-thread CPU
+time (time.process_time) per search and the beams' tokens per CPU second, and whether the
+beams came out identical.
+
+    PYTHONPATH=$PWD python bench/beam.py [--rounds 3] [--prompt-len 512] [--max-tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+VARIANTS = (("shared", True), ("copied", False))
+
+
+def search(engine, prompts, params) -> tuple[list, int, int, float, int]:
+    """(beams per prompt, peak blocks held, blocks copied, CPU s, beam tokens)."""
+    copies0, tokens0 = engine.kv.num_copies, engine.generation_tokens
+    finals: dict[str, dict[int, list[int]]] = {}
+    peak = 0
+    t0 = time.process_time()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, params)
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            if d.finished:
+                finals.setdefault(d.request_id, {})[d.index] = d.token_ids
+        peak = max(peak, engine.num_blocks - engine.kv.pool.num_free_blocks())
+    cpu = time.process_time() - t0
+    beams = [[finals[f"b{i}"][j] for j in sorted(finals[f"b{i}"])] for i in range(len(prompts))]
+    return beams, peak, engine.kv.num_copies - copies0, cpu, engine.generation_tokens - tokens0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=4, help="beam searches run together")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--width", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="a tiny run (the smoke test)")
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.rounds, a.prompts, a.prompt_len, a.max_tokens, a.layers, a.hidden = 1, 2, 40, 8, 2, 64
+    import torch
+    torch.set_num_threads(a.threads)
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.engine import LLMEngine
+    from gpu_worker.sampling_params import SamplingParams
+    from gpu_worker.tiny_model import make_tiny_model
+
+    tmp = tempfile.mkdtemp(prefix="beam-bench-")
+    model = make_tiny_model(os.path.join(tmp, "model"), hidden_size=a.hidden, intermediate_size=a.hidden * 11 // 4,
+                            num_hidden_layers=a.layers, num_attention_heads=8, num_key_value_heads=4,
+                            head_dim=a.hidden // 8, max_position_embeddings=4096)
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", block_size=a.block_size, num_kv_blocks=2048,
+                                    max_num_seqs=max(8, a.prompts * a.width), enable_prefix_caching=False))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, engine.vocab_size) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
+    params = SamplingParams(n=a.width, use_beam_search=True, max_tokens=a.max_tokens, ignore_eos=True)
+    figures: dict[str, dict] = {name: {"cpu": []} for name, _ in VARIANTS}
+    for r in range(a.rounds):
+        for name, share in VARIANTS:     # alternating, so drift on a shared machine hits both alike
+            engine.kv.share_on_fork = share
+            beams, peak, copies, cpu, tokens = search(engine, prompts, params)
+            f = figures[name]
+            f["cpu"].append(cpu)
+            f.update(peak=peak, copies=copies, tokens=tokens, beams=beams)
+        print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
+    same = figures["shared"]["beams"] == figures["copied"]["beams"]
+    print(f"Llama {a.layers} layers, hidden {a.hidden}, block size {a.block_size}, fp32; {a.prompts} beam searches "
+          f"together, width {a.width}, {a.prompt_len}-token prompts, {a.max_tokens} tokens; prefix caching off; "
+          f"median of {a.rounds} rounds, CPU s ({a.threads} thread(s))")
+    print("| variant | peak blocks held | blocks copied | CPU s | beam tok/s | same beams |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for name, _ in VARIANTS:
+        f = figures[name]
+        cpu = statistics.median(f["cpu"])
+        row = dict(variant=name, peak_blocks=f["peak"], blocks_copied=f["copies"], cpu_s=round(cpu, 3),
+                   beam_tok_per_s=round(f["tokens"] / cpu, 1), same_beams=same)
+        rows.append(row)
+        print(f"| {name} | {f['peak']} | {f['copies']} | {cpu:.2f} | {row['beam_tok_per_s']} | {same} |")
+    s, c = rows
+    print(f"shared / copied: {s['peak_blocks'] / c['peak_blocks']:.2f}x the blocks, "
+          f"{s['beam_tok_per_s'] / c['beam_tok_per_s']:.2f}x the tok/s")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
