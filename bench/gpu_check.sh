@@ -7,6 +7,9 @@
 #   4. bench/quant.py --gpu: a Llama-3-8B layer's linears in bf16, fp8 (torch._scaled_mm) and
 #      int4 (the Triton dequantize-matmul) at M = 1, 16, 256 (quant.md); the quantized-weight
 #      GPU tests (tests/test_quant_kernels.py) run in part 1.
+#   5. bench/lora.py --gpu: a Llama-3-8B layer's projections, bf16, against the same plus the
+#      multi-LoRA Triton kernels (rank 16, 1 and 4 adapters mixed) at M = 1, 16, 256 (lora.md);
+#      the LoRA kernel GPU test and the Triton-path LoRA parity run in part 1.
 # Everything lands under $OUT (default ./gpu_check_out): one log per part, summary.txt, e2e.md,
 # kernels.md. Each part has its own time limit, so one that hangs cannot eat the others' time.
 #
@@ -67,7 +70,8 @@ GPU_TESTS="tests/test_kernels.py tests/test_kernels_norm.py tests/test_kernels_l
            tests/test_async_scheduling.py tests/test_prompt_logprobs.py
            tests/test_spec_decode.py::test_speculation_on_cuda_matches_plain
            tests/test_quant_kernels.py
-           tests/test_beam_search.py::test_beam_search_on_cuda_matches_cpu tests/test_beam_search.py::test_copy_blocks_cpu"
+           tests/test_beam_search.py::test_beam_search_on_cuda_matches_cpu tests/test_beam_search.py::test_copy_blocks_cpu
+           tests/test_kernels_lora.py tests/test_lora.py::test_the_triton_path_serves_adapters_as_the_torch_one"
 if [ $DRY = 0 ]; then
     { nvidia-smi; "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"; } \
         > "$OUT/machine.txt" 2>&1
@@ -81,4 +85,5 @@ else
     part e2e 200 "$PY" bench/gpu_e2e.py --out "$OUT"
 fi
 part quant 60 "$PY" bench/quant.py --gpu --out "$OUT/quant.md"
+part lora 45 "$PY" bench/lora.py --gpu --out "$OUT/lora.md"
 echo "done: $OUT" | tee -a "$SUMMARY"

@@ -143,3 +143,11 @@ def test_beam_quick():
     assert rows["shared"]["same beams"] == "True"
     assert int(rows["shared"]["peak blocks held"]) < int(rows["copied"]["peak blocks held"])
     assert int(rows["shared"]["blocks copied"]) < int(rows["copied"]["blocks copied"])
+
+
+@pytest.mark.timeout(180)
+def test_lora_quick():
+    out = run_script("lora.py", timeout=170)
+    rows = {r["variant"]: r for r in table_rows(out, "variant")}
+    assert set(rows) == {"base", "lora, 0 adapters", "lora, 1 adapter", "lora, 4 adapters mixed"}
+    assert rows["base"]["x base"] == "1.000" and all(float(r["tok/s (CPU s)"]) > 0 for r in rows.values())

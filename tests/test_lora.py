@@ -431,3 +431,16 @@ def test_a_worker_without_the_adapter_resident_pays_the_load_cost():
     # Without an adapter nobody pays it: a tie.
     base = Scorer("prefix_aware", BlockIndex(), random.Random(0)).rank("m", [cold, warm], 64, hashes, now=0.0)
     assert base[0].cost == base[1].cost
+
+
+def test_the_triton_path_serves_adapters_as_the_torch_one(tiny_model, adapters, references):
+    """The CUDA path's code (Triton attention, fused ops, the LoRA kernels) on CPU under the
+    interpreter: the same greedy tokens, two adapters and the base model in one batch."""
+    from gpu_worker.llm import LLM
+    llm = LLM(tiny_model, device="cpu", attention_backend="triton", enable_lora=True, max_loras=2, max_lora_rank=8,
+              lora_modules={"a": adapters["a"], "b": adapters["b"]}, num_kv_blocks=16)
+    assert llm.engine.runner.lora.shrink.__name__ == "lora_shrink_triton"
+    few = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    mix = ["a", None, "b"]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], few, lora_request=mix)]
+    assert got == [references[m or ""][i][:3] for i, m in enumerate(mix)]
