@@ -71,7 +71,7 @@ GPU_TESTS="tests/test_kernels.py tests/test_kernels_norm.py tests/test_kernels_l
            tests/test_spec_decode.py::test_speculation_on_cuda_matches_plain
            tests/test_quant_kernels.py
            tests/test_beam_search.py::test_beam_search_on_cuda_matches_cpu tests/test_beam_search.py::test_copy_blocks_cpu
-           tests/test_kernels_lora.py tests/test_lora.py::test_the_triton_path_serves_adapters_as_the_torch_one"
+           tests/test_kernels_lora.py tests/test_lora.py::test_lora_on_cuda_matches_the_merged_models"
 if [ $DRY = 0 ]; then
     { nvidia-smi; "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"; } \
         > "$OUT/machine.txt" 2>&1

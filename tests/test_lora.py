@@ -444,3 +444,15 @@ def test_the_triton_path_serves_adapters_as_the_torch_one(tiny_model, adapters, 
     mix = ["a", None, "b"]
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], few, lora_request=mix)]
     assert got == [references[m or ""][i][:3] for i, m in enumerate(mix)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lora_on_cuda_matches_the_merged_models(tiny_model, adapters, references):
+    """On CUDA (Triton attention, fused ops and LoRA kernels; fp32, so that greedy tokens can be
+    compared): two adapters and the base model in one batch give the merged models' tokens."""
+    from gpu_worker.llm import LLM
+    llm = LLM(tiny_model, device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              lora_modules={"a": adapters["a"], "b": adapters["b"]}, num_kv_blocks=64)
+    mix = ["a", None, "b", "a"]
+    assert greedy(llm, PROMPTS, mix) == [references[m or ""][i] for i, m in enumerate(mix)]
