@@ -73,6 +73,17 @@ def test_equals_brute_force_reference(tiny_llm_factory, hf_model, setup):
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_temperature_adds_the_sampled_token_as_a_candidate(tiny_llm_factory):
+    """temperature > 0 (vLLM's BeamSearchParams): the beams still rank by raw log-probability;
+    the sampled token joins the top tokens as a candidate, so the search runs to the end with
+    ranked, full-length beams."""
+    llm = tiny_llm_factory(block_size=8)
+    out = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=10, temperature=1.5, ignore_eos=True))
+    for o in out:
+        assert len(o.sequences) == 3 and all(len(s.output_token_ids) == 10 for s in o.sequences)
+        assert [s.score for s in o.sequences] == sorted((s.score for s in o.sequences), reverse=True)
+
+
 def test_width_one_is_greedy(tiny_llm_factory):
     llm = tiny_llm_factory(block_size=8)
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))

@@ -214,6 +214,21 @@ def test_beam_search_on_both_endpoints_and_grpc(client, stack, tiny_llm_factory)
     assert [r.cumulative_logprob for r in by_index] == pytest.approx([s.cum_logprob for s in want[:3]], abs=1e-4)
 
 
+def test_cancelled_beam_search_frees_the_workers_blocks(stack):
+    """A gRPC call cancelled mid-search aborts every beam on the worker: all blocks free after."""
+    address = stack["workers"][0].address
+    with grpc.insecure_channel(address) as ch:
+        call = pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+            text="Once upon a time", sampling=pb.SamplingParams(n=4, use_beam_search=True, max_tokens=200,
+                                                                ignore_eos=True)), timeout=60)
+        wait_for(lambda: _load(address).running >= 4, 20, "the beams to run")
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() == grpc.StatusCode.CANCELLED
+    _wait_idle(address)
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"stream": True}, "stream"),
     ({"temperature": 0.7}, "temperature"),
