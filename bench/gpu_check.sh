@@ -10,6 +10,9 @@
 #   5. bench/lora.py --gpu: a Llama-3-8B layer's projections, bf16, against the same plus the
 #      multi-LoRA Triton kernels (rank 16, 1 and 4 adapters mixed) at M = 1, 16, 256 (lora.md);
 #      the LoRA kernel GPU test and the Triton-path LoRA parity run in part 1.
+#   6. bench/kv_tier.py --gpu: TTFT of 8 tenants' 2k-token prompts through a device pool half their
+#      size, with and without the pinned host KV tier (kv_tier.md); the tier's CUDA twin
+#      (tests/test_kv_tier.py::test_cuda_copy_path_matches_the_cpu_twin) runs in part 1.
 # Everything lands under $OUT (default ./gpu_check_out): one log per part, summary.txt, e2e.md,
 # kernels.md. Each part has its own time limit, so one that hangs cannot eat the others' time.
 #
@@ -69,7 +72,7 @@ GPU_TESTS="tests/test_kernels.py tests/test_kernels_norm.py tests/test_kernels_l
            tests/test_kv_fp8.py tests/test_models.py::test_cuda_runner_matches_cpu tests/test_parity_triton.py
            tests/test_async_scheduling.py tests/test_prompt_logprobs.py
            tests/test_spec_decode.py::test_speculation_on_cuda_matches_plain
-           tests/test_quant_kernels.py
+           tests/test_quant_kernels.py tests/test_kv_tier.py::test_cuda_copy_path_matches_the_cpu_twin
            tests/test_beam_search.py::test_beam_search_on_cuda_matches_cpu tests/test_beam_search.py::test_copy_blocks_cpu
            tests/test_kernels_lora.py tests/test_lora.py::test_lora_on_cuda_matches_the_merged_models"
 if [ $DRY = 0 ]; then
@@ -86,4 +89,5 @@ else
 fi
 part quant 60 "$PY" bench/quant.py --gpu --out "$OUT/quant.md"
 part lora 45 "$PY" bench/lora.py --gpu --out "$OUT/lora.md"
+part kv_tier 80 "$PY" bench/kv_tier.py --gpu --rounds 2 --prefix-len 2048 --out "$OUT/kv_tier.md" --json "$OUT/kv_tier.json"
 echo "done: $OUT" | tee -a "$SUMMARY"

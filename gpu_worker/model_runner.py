@@ -364,6 +364,11 @@ class ModelRunner:
         # new_kv_cache's view is [blocks, block, heads, dim] over [blocks, heads, block, dim].
         return [(k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)) for k, v in self.kv_caches]
 
+    @staticmethod
+    def _bytes(t: torch.Tensor) -> torch.Tensor:
+        # fp8 has no index_copy kernel: its bytes are copied as they are.
+        return t.view(torch.uint8) if t.element_size() == 1 else t
+
     @torch.inference_mode()
     def copy_tier_blocks(self, copies: list[KVCopy]) -> None:
         """Run the queued copies between the pools, in order, before anything later on the
@@ -378,6 +383,7 @@ class ModelRunner:
             for to_host, dev, host in _runs(copies):
                 d, h = torch.tensor(dev), torch.tensor(host)
                 for (dk, dv), (hk, hv) in zip(stores, self.host_caches):
+                    dk, dv, hk, hv = (self._bytes(t) for t in (dk, dv, hk, hv))
                     if to_host:
                         hk.index_copy_(0, h, dk.index_select(0, d))
                         hv.index_copy_(0, h, dv.index_select(0, d))

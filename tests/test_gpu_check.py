@@ -13,7 +13,7 @@ def test_dry_run_plans_every_part_and_runs_the_harness(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    for part in ("gpu_tests", "kernels", "e2e", "quant", "lora"):
+    for part in ("gpu_tests", "kernels", "e2e", "quant", "lora", "kv_tier"):
         assert f"== {part}" in summary
     assert "e2e: rc=0" in summary, summary
     table = (tmp_path / "e2e.md").read_text()

@@ -139,3 +139,51 @@ def test_flags_parse_and_bad_values_name_the_flag(capsys):
         with pytest.raises(SystemExit):
             p.parse_args(["--model", "m", *argv])
         assert argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_copy_path_matches_the_cpu_twin(tiny_model):
+    """The CUDA twin: pinned host pool, copies on their own stream behind an event. A prefix that
+    comes back from the host, and swap preemption under async scheduling, give the greedy output
+    of an engine without any cache, on the GPU."""
+    from gpu_worker.llm import LLM
+    kw = dict(device="cuda", num_kv_blocks=16, block_size=8, max_model_len=512)
+    tier = LLM(tiny_model, kv_offloading_size=HOST_64, max_num_seqs=4, preemption_mode="swap", **kw)
+    plain = LLM(tiny_model, enable_prefix_caching=False, **kw)
+    runner = tier.engine.runner
+    assert runner.copy_stream is not None and runner.host_caches[0][0].is_pinned()
+    prefix = ids(48, 0)
+    evict_prefix(tier, prefix)
+    again = prefix + ids(7, 2)
+    sp = SamplingParams(max_tokens=12, **GREEDY)
+    out = tier.generate([again], sp)[0]
+    assert out.num_cached_tokens == 48
+    assert out.outputs[0].token_ids == plain.generate([again], sp)[0].outputs[0].token_ids
+    prompts = [ids(20, 30 + i) for i in range(4)]
+    sp = SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY)
+    before = tier.engine.scheduler.num_swaps
+    got = [o.outputs[0].token_ids for o in tier.generate(prompts, sp)]
+    assert tier.engine.scheduler.num_swaps > before
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    blocks, seconds = runner.copy_rate()
+    __import__("torch").cuda.synchronize()
+    assert runner.copy_rate()[0] >= blocks > 0 and runner.copy_rate()[1] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_quick(tmp_path):
+    """bench/kv_tier.py --quick runs end to end: only the tier finds the tenants' prompts."""
+    import json
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(repo, "bench", "kv_tier.py"), "--quick", "--model-dir",
+                           str(tmp_path / "model"), "--json", str(tmp_path / "r.json")],
+                          cwd=repo, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.load(open(tmp_path / "r.json"))["figures"]
+    warm = slice(8, None)        # the second round
+    assert sum(figures["device only"]["cached_tokens"][warm]) == 0
+    assert all(k == 96 for k in figures["host tier"]["cached_tokens"][warm])
+    assert figures["host tier"]["copied_blocks"] > 0 and figures["device only"]["copied_blocks"] == 0
