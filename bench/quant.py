@@ -84,6 +84,22 @@ def cpu_bench(args) -> None:
             llms[name].generate(prompts, params)
             cpu[name].append(time.process_time() - c0)
             wall[name].append(time.perf_counter() - w0)
+    # Teacher-forced agreement: every variant scores the unquantized model's greedy text; its top-1
+    # token at each generated position is compared with that text, and its log-probability of the
+    # text with the unquantized model's (a random model is chaotic: one flipped greedy token
+    # changes all that follows, so the free-running greedy overlap says little).
+    seqs = [p + o for p, o in zip(prompts, outs["none"])]
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    forced: dict[str, tuple[int, list[float]]] = {}
+    for name, llm in llms.items():
+        agree, lps = 0, []
+        for p, res in zip(prompts, llm.generate(seqs, score)):
+            entries = res.prompt_logprobs or []
+            for j in range(len(p), len(res.prompt_token_ids)):
+                e = entries[j]
+                agree += int(e is not None and e.top[0].token_id == res.prompt_token_ids[j])
+                lps.append(e.sampled.logprob if e is not None else float("nan"))
+        forced[name] = (agree, lps)
     tokens = args.batch * args.tokens
     base_cpu = statistics.median(cpu["none"])
     base_bytes = llms["none"].engine.runner.weight_bytes
@@ -92,14 +108,17 @@ def cpu_bench(args) -> None:
          f"{args.batch} prompts x {args.prompt_len} tokens, {args.tokens} new each, greedy; "
          f"{args.rounds} rounds alternated")
     emit()
-    emit("| weights | bytes (MiB) | bytes x none | decode tok/s (CPU s) | tok/s x none | tok/s (wall) | greedy tokens = none |")
-    emit("|---|---|---|---|---|---|---|")
+    emit("| weights | bytes (MiB) | bytes x none | decode tok/s (CPU s) | tok/s x none | tok/s (wall) | "
+         "greedy tokens = none | teacher-forced top-1 = none | mean abs d logprob |")
+    emit("|---|---|---|---|---|---|---|---|---|")
     for name, llm in llms.items():
         b = llm.engine.runner.weight_bytes
         c, w = statistics.median(cpu[name]), statistics.median(wall[name])
         agree = sum(_common_prefix(a, z) for a, z in zip(outs[name], ref))
+        top1, lps = forced[name]
+        dlp = statistics.fmean(abs(a - z) for a, z in zip(lps, forced["none"][1]))
         emit(f"| {name} | {b / 2**20:.2f} | {b / base_bytes:.3f} | {tokens / c:.1f} | {base_cpu / c:.2f} | "
-              f"{tokens / w:.1f} | {agree}/{tokens} |")
+             f"{tokens / w:.1f} | {agree}/{tokens} | {top1}/{tokens} | {dlp:.3f} |")
 
 
 def _common_prefix(a, b) -> int:

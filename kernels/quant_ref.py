@@ -87,9 +87,21 @@ def dequantize_int4_weight(qweight: torch.Tensor, zeros: torch.Tensor, scales: t
                            g_idx: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """W [N, K] from the int4 layout of the module docstring."""
     q = unpack_int4_rows(qweight)                         # [K, N]
-    g = g_idx.long()
-    w = (q - zeros[g].to(torch.int32)).float() * scales[g].float()
+    k, n = q.shape
+    groups = zeros.shape[0]
+    if k % groups == 0 and torch.equal(g_idx, _contiguous_groups(k, groups, g_idx.device)):
+        # Contiguous groups (no act order): broadcast each group's row of zeros and scales
+        # instead of gathering K rows; the same arithmetic, so the same numbers.
+        qg = q.view(groups, k // groups, n)
+        w = ((qg - zeros.to(torch.int32).unsqueeze(1)).float() * scales.float().unsqueeze(1)).view(k, n)
+    else:
+        g = g_idx.long()
+        w = (q - zeros[g].to(torch.int32)).float() * scales[g].float()
     return w.t().to(dtype).contiguous()   # as a model stores it: the GEMM then rounds the same
+
+
+def _contiguous_groups(k: int, groups: int, device) -> torch.Tensor:
+    return torch.arange(k, device=device, dtype=torch.int32) // (k // groups)
 
 
 def int4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
