@@ -162,7 +162,8 @@ def _compressed_tensors(qc: dict) -> QuantConfig:
             if static:
                 _field(a, where + "input_activations.", "strategy", ("tensor",))
             else:
-                _field(a, where + "input_activations.", "strategy", ("token", "tensor", None))
+                # llm-compressor's FP8_BLOCK writes per-group (1 x 128) dynamic activations.
+                _field(a, where + "input_activations.", "strategy", ("token", "tensor", "group", None))
         schemes.add((block, static))
     if len(schemes) > 1:
         raise ValueError("quantization_config.config_groups: groups with different schemes are not supported")

@@ -113,12 +113,12 @@ def quantization_config(fmt: str, **o) -> dict:
         strategy = o.get("strategy", "channel")
         weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
                    "group_size": None, "block_structure": list(o.get("block", (128, 128))) if strategy == "block" else None}
+        # Dynamic activations as llm-compressor's presets write them: per token (FP8_DYNAMIC),
+        # per group of 128 (FP8_BLOCK).
         acts = ({"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
                 if o.get("static_input") else
                 {"num_bits": 8, "type": "float", "strategy": "token" if strategy != "block" else "group",
                  "symmetric": True, "dynamic": True, "group_size": 128 if strategy == "block" else None})
-        if strategy == "block":
-            acts["strategy"] = "token"     # pagoda quantizes activations per token either way
         return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
                 "ignore": ["lm_head"]}
