@@ -204,3 +204,18 @@ def test_killed_rank_ends_streams_unavailable_and_worker_exits_nonzero(start_wor
     assert code != 0
     assert r.get(rs.lease_key("tp-dies")) is None     # withdrawn, not left to expire
     assert "rank 1 exited" in w.log()
+
+
+def test_beam_search_under_tp2_equals_tp1(tiny_model):
+    """Every rank does the copy-on-write block copies (ModelRunner.copy_blocks, sent with the
+    step): beams under TP=2 equal TP=1's."""
+    from gpu_worker.beam_search import BeamSearchParams
+    prompts, params = [[5, 6, 7, 8, 9, 10], list(range(20, 45))], BeamSearchParams(beam_width=4, max_tokens=12)
+    want = LLM(tiny_model, device="cpu", block_size=BLOCK).beam_search(prompts, params)
+    llm = LLM(tiny_model, device="cpu", block_size=BLOCK, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        got = llm.beam_search(prompts, params)
+        assert llm.engine.kv.num_copies > 0
+    finally:
+        llm.engine.runner.close()
+    assert [[s.tokens for s in o.sequences] for o in got] == [[s.tokens for s in o.sequences] for o in want]
