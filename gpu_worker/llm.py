@@ -69,16 +69,22 @@ class LLM:
             self.engine.load_lora_adapter(name, path)
         return name
 
-    def beam_search(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: per prompt, the beam_width best beams, best first, each with
         its tokens (prompt included), text, cumulative log-probability and score. The beams of a
-        prompt share KV blocks in the engine (gpu_worker/beam_search.py)."""
+        prompt share KV blocks in the engine (gpu_worker/beam_search.py). Prompts as generate's,
+        or vLLM's prompt dicts ({"prompt": text} / {"prompt_token_ids": ids})."""
+        if isinstance(prompts, dict) or (isinstance(prompts, (list, tuple)) and prompts
+                                         and isinstance(prompts[0], dict)):
+            prompts = [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p
+                       for p in ([prompts] if isinstance(prompts, dict) else prompts)]
+            if any(p is None for p in prompts):
+                raise ValueError("prompts: a prompt dict needs 'prompt' or 'prompt_token_ids'")
         sp = SamplingParams(n=params.beam_width, use_beam_search=True, temperature=params.temperature,
                             max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
                             length_penalty=params.length_penalty)
         results = []
-        for ro in self.generate(prompts, sp):
+        for ro in self.generate(prompts, sp, lora_request):
             seqs = []
             for c in ro.outputs:
                 if c.finish_reason == "abort":

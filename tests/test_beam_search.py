@@ -86,6 +86,12 @@ def test_temperature_adds_the_sampled_token_as_a_candidate(tiny_llm_factory):
 
 def test_width_one_is_greedy(tiny_llm_factory):
     llm = tiny_llm_factory(block_size=8)
+    # vLLM's prompt dicts are taken too.
+    by_dict = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}, {"prompt": "hello"}],
+                              BeamSearchParams(beam_width=2, max_tokens=4))
+    assert [s.tokens for s in by_dict[0].sequences] == \
+        [s.tokens for s in llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=4))[0].sequences]
+    assert by_dict[1].prompt_token_ids == llm.tokenizer.encode_text("hello")
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     beams = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=1, max_tokens=24, ignore_eos=True))
     for g, b in zip(greedy, beams):
