@@ -25,6 +25,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protos.serving import PARENT_PID_ENV
+
 DEFAULT_CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
 
 
@@ -138,6 +140,8 @@ class Cluster:
 
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")
+        # The servers end with this process even when it is killed outright (protos.serving.die_with_parent).
+        env = {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
         log.close()

@@ -5,11 +5,13 @@ import os
 import sys
 
 from gpu_worker.args import build_parser
+from protos.serving import die_with_parent
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    die_with_parent()
     if os.path.isdir(args.model) and not os.path.isfile(os.path.join(args.model, "config.json")):
         parser.error(f"--model: {args.model!r} is not a checkpoint directory (no config.json)")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

@@ -24,7 +24,7 @@ from protos.limits import Limits
 from protos.metrics_http import start_metrics_server
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.security import AuthInterceptor, GrantSigner, KeyRing, channel_credentials, read_key, server_credentials
-from protos.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
+from protos.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, die_with_parent, server_options
 from router.channels import WorkerChannels
 from router.cluster import Cluster
 from router.grpc_front import RouterService, add_to_server
@@ -142,6 +142,7 @@ async def _serve(a) -> None:
 def main(argv: list[str] | None = None) -> int:
     from router.args import build_parser
     a = build_parser().parse_args(argv)
+    die_with_parent()
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(_serve(a))

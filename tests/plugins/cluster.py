@@ -29,6 +29,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from protos.serving import PARENT_PID_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 _LISTEN = re.compile(r"listening on [^\s]+:(\d+)")
 
@@ -251,6 +253,7 @@ class Proc:
 def _spawn(args: list[str], log_dir: Path, name: str, procs: list, metrics_port: int = 0) -> Proc:
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env[PARENT_PID_ENV] = str(os.getpid())          # no server outlives a killed test run
     log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
     with open(log_path, "wb") as log:
         p = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,

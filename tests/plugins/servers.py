@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from protos.serving import PARENT_PID_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 _LISTEN = re.compile(r"listening on [^\s]+:(\d+)")
 # The shared worker's pool (384 tokens) is smaller than its max_model_len on purpose, so that a
@@ -102,6 +104,7 @@ def launch_worker(model_dir: str, log_dir: Path, metrics: bool = False, timeout:
     log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
+    full_env[PARENT_PID_ENV] = str(os.getpid())     # no worker outlives a killed test run
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "gpu_worker", "--model", model_dir, *flag_args(flags)],
                                 cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
