@@ -20,7 +20,8 @@
 # (which the sampler imports) travel with the tree: on a CPU host run
 #   bench/gpu_check.sh --vendor        # copies them from this Python into .gpu_vendor/
 # and carry .gpu_vendor to the GPU host. --dry-run prints the plan and runs the CPU-runnable
-# part (the e2e harness at a tiny shape) so the script itself is checked without a GPU.
+# parts (the e2e harness and the quant layer bench at tiny shapes) so the script itself is
+# checked without a GPU.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -59,7 +60,7 @@ part() {
     local name=$1 limit=$2
     shift 2
     echo "== $name (limit ${limit}s): $*" | tee -a "$SUMMARY"
-    if [ $DRY = 1 ] && [ "$name" != e2e ]; then
+    if [ $DRY = 1 ] && [ "$name" != e2e ] && [ "$name" != quant ]; then
         return 0
     fi
     local t0=$SECONDS
@@ -87,7 +88,11 @@ if [ $DRY = 1 ]; then
 else
     part e2e 200 "$PY" bench/gpu_e2e.py --out "$OUT"
 fi
-part quant 60 "$PY" bench/quant.py --gpu --out "$OUT/quant.md"
+if [ $DRY = 1 ]; then
+    part quant 60 "$PY" bench/quant.py --gpu --dry-run --out "$OUT/quant.md"
+else
+    part quant 60 "$PY" bench/quant.py --gpu --out "$OUT/quant.md"
+fi
 part lora 45 "$PY" bench/lora.py --gpu --out "$OUT/lora.md"
 part kv_tier 80 "$PY" bench/kv_tier.py --gpu --rounds 2 --prefix-len 2048 --out "$OUT/kv_tier.md" --json "$OUT/kv_tier.json"
 echo "done: $OUT" | tee -a "$SUMMARY"

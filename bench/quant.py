@@ -137,13 +137,19 @@ def gpu_bench(args) -> None:
     from gpu_worker.quantization import fp8_scaled_mm
     from kernels.quant_ref import pack_int4_rows, quantize_fp8_per_channel
     from kernels.triton_quant import fp8_matmul_triton, int4_matmul_triton
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if args.dry_run else "cuda")
     shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
     if args.quick:
         shapes = {"qkv": (512, 768), "down": (1408, 512)}
+    if args.dry_run:    # the same calls on the CPU (Triton interpreted), to check the script
+        shapes = {"qkv": (256, 128)}
     g = torch.Generator(device=dev).manual_seed(0)
 
     def timed(fn, reps=20):
+        if args.dry_run:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6
         fn()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -154,7 +160,8 @@ def gpu_bench(args) -> None:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps * 1e3     # us
 
-    emit(f"{torch.cuda.get_device_name()}: one Llama-3-8B layer's linears, us per call (weight GB/s)")
+    where = "dry run on the CPU" if args.dry_run else torch.cuda.get_device_name()
+    emit(f"{where}: one Llama-3-8B layer's linears, us per call (weight GB/s)")
     emit()
     emit("| linear (K x N) | M | bf16 | fp8 _scaled_mm | fp8 128x128 triton | int4 triton (g128) |")
     emit("|---|---|---|---|---|---|")
@@ -167,7 +174,7 @@ def gpu_bench(args) -> None:
         zeros = torch.full((k // 128, n), 8, dtype=torch.uint8, device=dev)
         scales = torch.full((k // 128, n), 0.01, dtype=torch.float16, device=dev)
         g_idx = (torch.arange(k, device=dev) // 128).int()
-        for m in (1, 16, 256):
+        for m in ((1, 16) if args.dry_run else (1, 16, 256)):
             x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
             t16 = timed(lambda: F.linear(x, w))
             t8 = timed(lambda: fp8_scaled_mm(x, q8, s8))
@@ -188,6 +195,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dry-run", action="store_true", help="with --gpu: run its calls on the CPU at a tiny shape")
     p.add_argument("--out", default=None, help="also write the report (markdown) here")
     p.add_argument("--only", nargs="*", default=None, help="variants beside none (default: all)")
     args = p.parse_args()

@@ -16,6 +16,8 @@ def test_dry_run_plans_every_part_and_runs_the_harness(tmp_path):
     for part in ("gpu_tests", "kernels", "e2e", "quant", "lora", "kv_tier"):
         assert f"== {part}" in summary
     assert "e2e: rc=0" in summary, summary
+    assert "quant: rc=0" in summary, summary
+    assert "| qkv (256 x 128) | 16 |" in (tmp_path / "quant.md").read_text()
     table = (tmp_path / "e2e.md").read_text()
     assert all(f"| tiny | {mode} | {b} |" in table for mode in ("graphs", "sync", "eager") for b in (1, 3))
     lines = (tmp_path / "e2e.jsonl").read_text().splitlines()

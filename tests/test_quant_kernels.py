@@ -108,6 +108,21 @@ def test_fp8_triton_bf16_gpu(shape):
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * want.abs().max().item(), rtol=1e-2)
 
 
+def test_fp8_scaled_mm_wrapper_on_cpu():
+    """torch._scaled_mm runs on a CPU too: the wrapper's scale shapes and transposes against the
+    W8A8 oracle (per-token and static input scales)."""
+    from gpu_worker.quantization import fp8_scaled_mm
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g) * 0.05
+    x = torch.randn(2, 5, 64, generator=g).bfloat16()
+    q, s = quantize_fp8_per_channel(w)
+    got = fp8_scaled_mm(x, q, s)
+    assert got.shape == (2, 5, 48) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), fp8_w8a8_ref(x, q, s, None).float(), atol=2e-2, rtol=2e-2)
+    static = fp8_scaled_mm(x, q, s, torch.tensor([x.float().abs().max().item() / 448]))
+    torch.testing.assert_close(static.float(), got.float(), atol=0.1, rtol=0.1)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (37, 1024, 3072), (512, 4096, 1024)])
