@@ -133,14 +133,17 @@ def load_peft_adapter(name: str, path: str, cfg, max_rank: int) -> LoRAAdapter:
 
 
 class LoRAProjection:
-    """The LoRA side of one base projection (fused or not): per slice, the stacked slots' A and B.
+    """The LoRA side of one base projection (fused or not). The slices of a fused projection read
+    the same input, so their A matrices are stacked in one [S, slices * R, in] tensor and shrink
+    once; each slice's B [S, out_j, R] expands its rank-R part of h into its output columns.
     Called with the projection's input and output; adds the delta of this step's adapters in place."""
 
-    def __init__(self, manager: "LoRAManager", fan_in: list[int], fan_out: list[int]):
+    def __init__(self, manager: "LoRAManager", fan_in: int, fan_out: list[int]):
         self.manager = manager
         s, r = manager.max_loras, manager.max_rank
         dev, dt = manager.device, manager.dtype
-        self.a = [torch.zeros(s, r, i, device=dev, dtype=dt) for i in fan_in]
+        self.rank = r
+        self.a = torch.zeros(s, len(fan_out) * r, fan_in, device=dev, dtype=dt)
         self.b = [torch.zeros(s, o, r, device=dev, dtype=dt) for o in fan_out]
         self.offsets = np.cumsum([0] + fan_out[:-1]).tolist()
 
@@ -148,9 +151,10 @@ class LoRAProjection:
         seg = self.manager.segments
         if seg is None:
             return
-        shrink, expand = self.manager.shrink, self.manager.expand
-        for a, b, off in zip(self.a, self.b, self.offsets):
-            expand(shrink(x, a, seg), b, seg, y, off)
+        h = self.manager.shrink(x, self.a, seg)
+        r = self.rank
+        for j, (b, off) in enumerate(zip(self.b, self.offsets)):
+            self.manager.expand(h[:, j * r:(j + 1) * r], b, seg, y, off)
 
 
 class LoRAManager:
@@ -179,7 +183,7 @@ class LoRAManager:
             projs = {}
             for attr, owner, names in (("lora_qkv", attn, ("q_proj", "k_proj", "v_proj")), ("lora_o", attn, ("o_proj",)),
                                        ("lora_gate_up", mlp, ("gate_proj", "up_proj")), ("lora_down", mlp, ("down_proj",))):
-                projs[attr] = LoRAProjection(self, [shapes[n][0] for n in names], [shapes[n][1] for n in names])
+                projs[attr] = LoRAProjection(self, shapes[names[0]][0], [shapes[n][1] for n in names])
                 setattr(owner, attr, projs[attr])
             self.layers.append(projs)
 
@@ -233,14 +237,14 @@ class LoRAManager:
         for i, projs in enumerate(self.layers):
             for attr, proj in projs.items():
                 names = [n for n, (a, _) in TARGETS.items() if a == attr]
+                proj.a[slot].zero_()
                 for j, hf in enumerate(names):
-                    a, b = proj.a[j][slot], proj.b[j][slot]
-                    a.zero_()
+                    b = proj.b[j][slot]
                     b.zero_()
                     w = adapter.weights.get((i, hf))
                     if w is not None:
                         r = w[0].shape[0]
-                        a[:r].copy_(w[0])
+                        proj.a[slot, j * proj.rank:j * proj.rank + r].copy_(w[0])
                         b[:, :r].copy_(w[1])
 
     def set_step(self, token_slots: Optional[np.ndarray], upload: Callable[[np.ndarray], torch.Tensor]) -> None:

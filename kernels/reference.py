@@ -298,6 +298,9 @@ class LoRASegments:
     host_start: list[int]       # the same two, on the host (the torch path loops over groups)
     host_slot: list[int]
     max_seg_len: int
+    # Every row, in order, in one group (one adapter for the whole step): the torch path then
+    # works on whole tensors, with no gather or scatter.
+    whole: bool = False
 
 
 def lora_segments(token_slots: np.ndarray, upload=torch.from_numpy) -> LoRASegments | None:
@@ -311,11 +314,13 @@ def lora_segments(token_slots: np.ndarray, upload=torch.from_numpy) -> LoRASegme
     slots, starts, counts = np.unique(token_slots[order], return_index=True, return_counts=True)
     seg_start = np.append(starts, len(order)).astype(np.int32)
     return LoRASegments(upload(order), upload(seg_start), upload(slots.astype(np.int32)), seg_start.tolist(),
-                        slots.tolist(), int(counts.max()))
+                        slots.tolist(), int(counts.max()), len(slots) == 1 and len(order) == len(token_slots))
 
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, seg: LoRASegments) -> torch.Tensor:
     """h [T, R] fp32: x[t] @ A[slot(t)]^T per row, one matmul per slot; zero where no adapter."""
+    if seg.whole:
+        return x.float() @ a[seg.host_slot[0]].float().t()
     h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
     for g, slot in enumerate(seg.host_slot):
         rows = seg.order[seg.host_start[g]:seg.host_start[g + 1]]
@@ -327,6 +332,9 @@ def lora_expand_ref(h: torch.Tensor, b: torch.Tensor, seg: LoRASegments, y: torc
                     offset: int = 0) -> None:
     """y[t, offset:offset + out] += h[t] @ B[slot(t)]^T, in place, rows with an adapter only."""
     n = b.shape[1]
+    if seg.whole:
+        y[:, offset:offset + n] += (h @ b[seg.host_slot[0]].float().t()).to(y.dtype)
+        return
     for g, slot in enumerate(seg.host_slot):
         rows = seg.order[seg.host_start[g]:seg.host_start[g + 1]]
         delta = (h[rows] @ b[slot].float().t()).to(y.dtype)

@@ -152,7 +152,8 @@ def test_one_slot_serves_adapters_in_turn_without_stale_weights(tiny_model, adap
     assert lora.resident() == ["b"]
     # a's o_proj / gate_up rows are gone from the slot: b does not target them.
     for projs in lora.layers:
-        assert not projs["lora_o"].a[0][0].any() and not projs["lora_gate_up"].b[1][0].any()
+        assert not projs["lora_o"].a[0].any() and not projs["lora_gate_up"].b[1][0].any()
+        assert not projs["lora_gate_up"].a[0].any() and not projs["lora_qkv"].a[0, 8:16].any()    # k_proj
     assert greedy(llm, PROMPTS[:1], "a") == references["a"][:1]
     assert lora.resident() == ["a"]
 
