@@ -649,6 +649,8 @@ class OpenAIFront:
             body = await _json_body(request)
             reqs = build_requests(body, kind)
             plan = self._tool_plan(body) if kind == "chat" else None
+            if plan is not None and body.get("parallel_tool_calls") is False:
+                plan.single = True
             if kind == "chat" and not reqs[0].messages:      # tools: rendered here
                 model, pin = await self._pin(reqs[0].model)
                 reqs[0].token_ids[:] = await self._chat_ids(body, pin, plan.tools if plan else None)
@@ -659,8 +661,6 @@ class OpenAIFront:
                 reqs[0].sampling.structured_output.json_schema = json.dumps(plan.schema())
             if plan is not None and not plan.parses:
                 plan = None
-            if plan is not None and body.get("parallel_tool_calls") is False:
-                plan.single = True
             stream = "stream" in body and _number(body, "stream", bool)
             usage_in_stream, continuous = _stream_options(body, stream)
             echo = kind == "completion" and body.get("echo") is True
@@ -753,7 +753,7 @@ class OpenAIFront:
         if kind == "chat" and plan is not None:
             content, calls = tools.parse(choices.text[i], plan)
             out["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-            if calls:
+            if calls and out["finish_reason"] == "stop":     # cut off by max_tokens: "length" stays
                 out["finish_reason"] = "tool_calls"
         elif kind == "chat":
             out["message"] = {"role": "assistant", "content": choices.text[i]}
@@ -790,7 +790,7 @@ class OpenAIFront:
                 if plan is not None:          # tool calls: content and tool_calls deltas
                     parser = parsers.setdefault(i, tools.ToolCallStream(plan))
                     deltas = parser.feed(text, last=finish is not None)
-                    if finish and parser.calls:
+                    if finish == "stop" and parser.calls:
                         finish = "tool_calls"
                     if not deltas and (lps or finish):
                         deltas = [{}]

@@ -58,7 +58,7 @@ class ToolPlan:
             one = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
                     "required": ["name", "parameters"], "additionalProperties": False}
                    for n, p in params.items()]
-            return {"type": "array", "minItems": 1, "items": {"anyOf": one}}
+            return {"type": "array", "minItems": 1, "items": {"anyOf": one}, **({"maxItems": 1} if self.single else {})}
         return None
 
 

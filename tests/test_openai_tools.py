@@ -116,6 +116,16 @@ def test_named_function_holds_the_output_to_its_arguments(client, stack):
     jsonschema.validate(json.loads("".join(tc.function.arguments or "" for tc in calls)), PARAMS)
 
 
+def test_a_call_cut_off_by_max_tokens_keeps_finish_reason_length(client, stack):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=stack["model"], messages=ASK, tools=TOOLS, tool_choice=choice,
+                                       temperature=1.0, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    r = client.chat.completions.create(model=stack["model"], messages=ASK, tools=TOOLS, tool_choice="required",
+                                       temperature=1.0, n=3, max_tokens=400, parallel_tool_calls=False)
+    assert all(c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1 for c in r.choices)
+
+
 def test_a_conversation_with_a_tool_call_and_its_result(client, stack):
     first = client.chat.completions.create(model=stack["model"], messages=ASK, tools=TOOLS, max_tokens=64,
                                            extra_body={"guided_choice": [CALL]})

@@ -93,6 +93,12 @@ def test_llama3_json_whole_and_streamed():
 def test_parallel_tool_calls_false_keeps_the_first():
     p = plan()
     p.single = True
+    required = plan(tool_choice="required")
+    required.single = True
+    schema = required.schema()
+    assert schema is not None and schema["maxItems"] == 1
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {}}] * 2, schema)
     assert [c["function"]["name"] for c in T.parse(HERMES, p)[1]] == ["get_weather"]
     assert [c["name"] for c in streamed(p, HERMES, 3)[1]] == ["get_weather"]
 
