@@ -155,7 +155,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str = "", adapter: str = "") -> None:
         self.validate_request(request_id, prompt_token_ids, params, priority, cache_salt, adapter)
-        root = namespace_root(self.model_name, adapter, cache_salt)
+        lora = self.runner.lora.adapters[adapter] if adapter and self.runner.lora is not None else None
+        root = namespace_root(self.model_name, lora.cache_key if lora is not None else "", cache_salt)
         serial = next(self._serial)
         if params.use_beam_search:
             return self._add_beam_search(request_id, prompt_token_ids, params, priority, root, serial, adapter)
@@ -165,7 +166,7 @@ class LLMEngine:
             # state for the previous request of that name.
             req = Request(f"{request_id}#{i}.{serial}", prompt_token_ids, params, self.block_size,
                           root, priority=priority, parent_id=request_id, index=i)
-            req.lora = self.runner.lora.adapters[adapter] if adapter and self.runner.lora is not None else None
+            req.lora = lora
             if params.seed is not None:
                 req.generator = self._generator(params.seed + i)
             self.detokenizers[req.req_id] = Detokenizer(

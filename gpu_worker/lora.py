@@ -49,6 +49,10 @@ class LoRAAdapter:
     rank: int
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # The adapter's part of its requests' block-hash namespace (LoRAManager.add): its name, as the
+    # router hashes it, unless an earlier adapter of that name was loaded in this process; then
+    # the name and a load count, so that blocks cached with the old weights are never hit.
+    cache_key: str = ""
 
 
 def model_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -170,6 +174,8 @@ class LoRAManager:
         self.last_used = [0] * max_loras
         self.clock = 0
         self.loads = 0                  # slot loads so far (tests, metrics)
+        self._names_seen: set[str] = set()
+        self._registrations = 0
         self.segments: Optional[LoRASegments] = None
         self.shrink: Callable = lora_shrink_ref
         self.expand: Callable = lora_expand_ref
@@ -192,6 +198,10 @@ class LoRAManager:
     def add(self, adapter: LoRAAdapter) -> None:
         if adapter.name in self.adapters:
             raise ValueError(f"lora_name: adapter {adapter.name!r} is already loaded")
+        self._registrations += 1
+        again = adapter.name in self._names_seen
+        adapter.cache_key = f"{adapter.name}\x00{self._registrations}" if again else adapter.name
+        self._names_seen.add(adapter.name)
         self.adapters[adapter.name] = adapter
 
     def load(self, name: str, path: str) -> LoRAAdapter:

@@ -191,12 +191,19 @@ def test_unload_and_load_again_at_run_time(tiny_model, adapters, references, no_
     llm = LLM(tiny_model, device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8,
               lora_modules={"x": adapters["a"]})
     assert greedy(llm, PROMPTS[:1], "x") == references["a"][:1]
+    long = list(range(1, 50))       # three whole blocks, cached under x with a's weights
+    assert llm.generate([long], GREEDY, lora_request="x")[0].num_cached_tokens == 0
+    assert llm.generate([long], GREEDY, lora_request="x")[0].num_cached_tokens == 48
     llm.engine.unload_lora_adapter("x")
     with pytest.raises(ValueError, match="adapter: unknown LoRA adapter 'x'"):
         greedy(llm, PROMPTS[:1], "x")
-    # The same name, other weights: served from a fresh load, not the old slot.
+    # The same name, other weights: served from a fresh load, not the old slot, nor the blocks
+    # cached with the old weights (a prompt of whole blocks).
     llm.engine.load_lora_adapter("x", adapters["b"])
     assert greedy(llm, PROMPTS[:1], "x") == references["b"][:1]
+    again = llm.generate([long], GREEDY, lora_request="x")[0]
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == greedy(LLM(adapters["merged_b"], device="cpu"), [long])[0]
     with pytest.raises(ValueError, match="lora_name: adapter 'x' is already loaded"):
         llm.engine.load_lora_adapter("x", adapters["a"])
     with pytest.raises(ValueError, match="lora_name: no adapter 'y'"):
