@@ -177,6 +177,7 @@ class LoRAManager:
         self._names_seen: set[str] = set()
         self._registrations = 0
         self.segments: Optional[LoRASegments] = None
+        self.warm = False
         self.shrink: Callable = lora_shrink_ref
         self.expand: Callable = lora_expand_ref
         if backend == "triton":
@@ -257,8 +258,13 @@ class LoRAManager:
                         proj.a[slot, j * proj.rank:j * proj.rank + r].copy_(w[0])
                         b[:, :r].copy_(w[1])
 
-    def set_step(self, token_slots: Optional[np.ndarray], upload: Callable[[np.ndarray], torch.Tensor]) -> None:
-        """The step's per-token slots (-1: base model), grouped for the forward that follows."""
+    def set_step(self, token_slots: Optional[np.ndarray], upload: Callable[[np.ndarray], torch.Tensor],
+                 num_tokens: int = 0) -> None:
+        """The step's per-token slots (-1: base model), grouped for the forward that follows.
+        With `warm` set (ModelRunner.warm_up) every row runs on slot 0, so that the kernels
+        compile before serving."""
+        if token_slots is None and self.warm:
+            token_slots = np.zeros(num_tokens, np.int64)
         self.segments = None if token_slots is None else lora_segments(token_slots, upload)
         if self.segments is not None:
             for s in self.segments.host_slot:

@@ -290,6 +290,14 @@ class ModelRunner:
                            attn.num_kv_heads, _num_sms(self.device.index or 0), block_n)
         for step in plan:
             self.forward(self.warmup_batch(step))
+        if self.lora is not None and plan:
+            # The LoRA kernels' variants depend on the projections' shapes only: one step with
+            # every row on an adapter slot compiles them all.
+            self.lora.warm = True
+            try:
+                self.forward(self.warmup_batch(plan[0]))
+            finally:
+                self.lora.warm = False
         self.batch.update(SchedulerOutput([], finished_req_ids=set(self.batch.req_ids)))
         torch.cuda.synchronize(self.device)
         log.info("warm-up: %d steps compiled in %.1f s", len(plan), time.perf_counter() - start)
@@ -434,7 +442,7 @@ class ModelRunner:
             dst, src = inputs.in_flight
             inputs.input_ids[dst] = self.last_draw[src]
         if self.lora is not None:
-            self.lora.set_step(inputs.lora_slots, self._upload_async)
+            self.lora.set_step(inputs.lora_slots, self._upload_async, int(inputs.input_ids.shape[0]))
         indices = inputs.logits_indices
         if inputs.prompt_scores is not None:     # their logits come after the sampling rows'
             indices = torch.cat([indices, inputs.prompt_scores.token_rows])

@@ -464,3 +464,17 @@ def test_lora_on_cuda_matches_the_merged_models(tiny_model, adapters, references
               lora_modules={"a": adapters["a"], "b": adapters["b"]}, num_kv_blocks=64)
     mix = ["a", None, "b", "a"]
     assert greedy(llm, PROMPTS, mix) == [references[m or ""][i] for i, m in enumerate(mix)]
+
+
+def test_warm_up_puts_every_row_on_a_slot(lora_llm):
+    """ModelRunner.warm_up (CUDA) compiles the LoRA kernels with one step whose rows all run on
+    slot 0; outside warm-up a step without adapter rows does no LoRA work."""
+    lora = lora_llm.engine.runner.lora
+    lora.warm = True
+    try:
+        lora.set_step(None, torch.from_numpy, 5)
+        assert lora.segments is not None and lora.segments.whole and lora.segments.host_slot == [0]
+    finally:
+        lora.warm = False
+    lora.set_step(None, torch.from_numpy, 5)
+    assert lora.segments is None
