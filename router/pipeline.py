@@ -73,6 +73,8 @@ class Pipeline:
         self.select.claim(choice, p.key, p.prompt_len, p.hashes, direct=True)
         self.metrics.decision_seconds.labels(policy, p.model).observe(time.perf_counter() - p.arrived)
         self.metrics.decisions.labels(policy, "direct").inc()
+        self.metrics.predicted_cached.inc(choice.cached_tokens)
+        self.metrics.prompt_tokens.inc(p.prompt_len)
         w = choice.worker
         grant, expires = self.signer.sign(w.id, ident, p.upstream) if self.signer is not None else (b"", 0.0)
         return pb.RouteResponse(worker_address=w.lease.address, worker_id=w.id, request=p.upstream, grant=grant,

@@ -488,3 +488,14 @@ def test_tls_and_key_files_the_chart_passes_come_from_the_named_secrets():
         cm = find(docs, "ConfigMap", c["envFrom"][0]["configMapRef"]["name"])[0]["data"]
         files = [v for k, v in cm.items() if k.endswith(("_CERT", "_KEY", "_CA", "_FILE"))]
         assert files and all(any(f.startswith(mounts[n] + "/") for n in secrets) for f in files), files
+
+
+def test_direct_mode_clients_may_reach_workers_when_named():
+    """networkPolicy.directFrom adds peers to the workers' gRPC ingress, beside the routers."""
+    peer = {"namespaceSelector": {"matchLabels": {"team": "search"}}}
+    for extra, want in ((None, []), ({"networkPolicy": {"directFrom": [peer]}}, [peer])):
+        np = find(render(extra), "NetworkPolicy", "rel-pagoda-worker-default")[0]
+        grpc_rule = np["spec"]["ingress"][0]
+        assert [p for p in grpc_rule["from"] if "podSelector" not in p] == want
+        assert any(p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") == "router"
+                   for p in grpc_rule["from"])
