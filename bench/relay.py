@@ -1,6 +1,7 @@
 """Relay cost: the router's CPU per relayed token and per chunk, beside the worker's, by front door.
 
     python bench/relay.py [--quick] [--concurrency 1,8,64] [--fronts worker,grpc,http] [--rounds 3]
+                          [--stream-intervals 1,4,8]
 
 One real stack: redis-server, --workers CPU workers on pagoda up's tiny model, one router with
 its OpenAI HTTP front. C streams at once, each request --tokens tokens long (greedy, ignore_eos,
@@ -14,6 +15,11 @@ a short prompt), go through one front door:
 - floor: through a relay that does nothing but pass a worker's responses on, as bytes, in the
   same grpc.aio calls (relay_floor() here): what one read and one write per chunk cost in Python
   gRPC, under the router's figures.
+
+With --stream-intervals 1,4,8 each interval gets its own --workers workers (`--stream-interval N`,
+serving model relay-siN), all behind the one router, and every front runs against each: the
+variants are measured side by side in one run, each front's CPU counted on its own variant's
+workers (and floor relay).
 
 With --compare DIR a second router runs from another checkout (e.g. `git archive` of an older
 commit) beside this one, over the same workers: its fronts are grpc@base and http@base, and
@@ -66,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per run at least (more requests per stream at low concurrency): CPU time "
                         "is counted in clock ticks of 10 ms")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--stream-intervals", default="1",
+                   help="worker --stream-interval variants, each on its own workers (model relay-siN)")
     p.add_argument("--router-flags", default="", help="extra router flags, as one string")
     p.add_argument("--worker-flags", default="", help="extra worker flags, as one string")
     p.add_argument("--compare", default=None, metavar="DIR",
@@ -107,21 +115,29 @@ class Stack:
     def start(self) -> None:
         a = self.a
         blocks = max(256, 64 * (a.tokens // 16 + 4) // a.workers * 2)
-        for i in range(a.workers):
-            port = free_port()
-            self._spawn(f"worker{i}", [sys.executable, "-m", "gpu_worker", "--model", self.model, "--device", "cpu",
-                                       "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
-                                       "--num-kv-blocks", str(blocks), "--redis-url", self.redis_url,
-                                       "--worker-id", f"relay-w{i}", "--advertise-address", f"127.0.0.1:{port}",
-                                       "--log-level", "WARNING", *a.worker_flags.split()])
-            self.workers.append(f"127.0.0.1:{port}")
-        for i, addr in enumerate(self.workers):
-            wait_serving(addr, self.procs[f"worker{i}"], f"worker at {addr}", a.timeout)
-        self.floor = f"127.0.0.1:{free_port()}"
-        self._spawn("floor", [sys.executable, os.path.abspath(__file__), "--floor-relay", self.floor, self.workers[0]])
+        self.workers_of: dict[int, list[str]] = {}
+        self.floors: dict[int, str] = {}
+        for si in a.intervals:
+            for i in range(a.workers):
+                port = free_port()
+                self._spawn(f"worker{i}@si{si}", [
+                    sys.executable, "-m", "gpu_worker", "--model", self.model, "--device", "cpu",
+                    "--served-model-name", f"relay-si{si}", "--stream-interval", str(si),
+                    "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
+                    "--num-kv-blocks", str(blocks), "--redis-url", self.redis_url,
+                    "--worker-id", f"relay-w{i}-si{si}", "--advertise-address", f"127.0.0.1:{port}",
+                    "--log-level", "WARNING", *a.worker_flags.split()])
+                self.workers_of.setdefault(si, []).append(f"127.0.0.1:{port}")
+                self.workers.append(f"127.0.0.1:{port}")
+        for si, addrs in self.workers_of.items():
+            for i, addr in enumerate(addrs):
+                wait_serving(addr, self.procs[f"worker{i}@si{si}"], f"worker at {addr}", a.timeout)
+            self.floors[si] = f"127.0.0.1:{free_port()}"
+            self._spawn(f"floor@si{si}", [sys.executable, os.path.abspath(__file__), "--floor-relay",
+                                          self.floors[si], addrs[0]])
         r = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + a.timeout
-        while len(list(r.scan_iter(match=rs.LEASE_PATTERN))) < a.workers:
+        while len(list(r.scan_iter(match=rs.LEASE_PATTERN))) < len(self.workers):
             if time.monotonic() > deadline:
                 raise TimeoutError("workers never published their leases")
             time.sleep(0.1)
@@ -158,16 +174,27 @@ class Fronts:
 
     def __init__(self, stack: Stack, a):
         self.stack, self.a = stack, a
-        self.req = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(
-            max_tokens=a.tokens, temperature=0.0, ignore_eos=True))
-        self.body = {"prompt": PROMPT, "max_tokens": a.tokens, "temperature": 0, "ignore_eos": True,
-                     "stream": True, "stream_options": {"include_usage": True}}
+        self.si = a.intervals[0]         # the variant the next calls are for (run() sets it)
+        self.reqs = {si: pb.GenerateRequest(text=PROMPT, model=f"relay-si{si}", sampling=pb.SamplingParams(
+            max_tokens=a.tokens, temperature=0.0, ignore_eos=True)) for si in a.intervals}
+        self.bodies = {si: {"model": f"relay-si{si}", "prompt": PROMPT, "max_tokens": a.tokens, "temperature": 0,
+                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                       for si in a.intervals}
+
+    @property
+    def req(self) -> pb.GenerateRequest:
+        return self.reqs[self.si]
+
+    @property
+    def body(self) -> dict:
+        return self.bodies[self.si]
 
     async def __aenter__(self):
-        self.wch = [grpc.aio.insecure_channel(w) for w in self.stack.workers]
+        self.wch_of = {si: [grpc.aio.insecure_channel(w) for w in ws] for si, ws in self.stack.workers_of.items()}
+        self.wch = [ch for chs in self.wch_of.values() for ch in chs]
         self.rch = grpc.aio.insecure_channel(self.stack.router)
         self.base_rch = grpc.aio.insecure_channel(self.stack.base_router)
-        self.floor_ch = grpc.aio.insecure_channel(self.stack.floor)
+        self.floor_of = {si: grpc.aio.insecure_channel(f) for si, f in self.stack.floors.items()}
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.url = f"http://127.0.0.1:{self.stack.http_port}/v1/completions"
         self.base_url = f"http://127.0.0.1:{self.stack.base_http_port}/v1/completions"
@@ -178,20 +205,21 @@ class Fronts:
         return self
 
     async def __aexit__(self, *exc):
-        for ch in self.wch + [self.rch, self.base_rch, self.floor_ch]:
+        for ch in self.wch + [self.rch, self.base_rch, *self.floor_of.values()]:
             await ch.close()
         await self.http.close()
         if self.direct_client is not None:
             await self.direct_client.close()
 
     async def worker(self, k: int) -> tuple[int, int]:
-        return await self._grpc(pb_grpc.GenerationStub(self.wch[k % len(self.wch)]))
+        chs = self.wch_of[self.si]
+        return await self._grpc(pb_grpc.GenerationStub(chs[k % len(chs)]))
 
     async def grpc(self, k: int) -> tuple[int, int]:
         return await self._grpc(pb_grpc.GenerationStub(self.rch))
 
     async def floor(self, k: int) -> tuple[int, int]:
-        return await self._grpc(pb_grpc.GenerationStub(self.floor_ch))
+        return await self._grpc(pb_grpc.GenerationStub(self.floor_of[self.si]))
 
     async def grpc_base(self, k: int) -> tuple[int, int]:
         return await self._grpc(pb_grpc.GenerationStub(self.base_rch))
@@ -231,9 +259,12 @@ class Fronts:
         return self.http_ if front == "http" else getattr(self, front.replace("@", "_"))
 
 
-async def run(fronts: Fronts, front: str, concurrency: int, a) -> dict:
+async def run(fronts: Fronts, front: str, concurrency: int, a, si: int = 1) -> dict:
+    fronts.si = si
     call = fronts.call(front)
-    pids = fronts.stack.pids()
+    # Only this variant's workers and floor relay (the others idle) and the routers.
+    pids = {n: p for n, p in fronts.stack.pids().items()
+            if "@si" not in n or n.endswith(f"@si{si}")}
 
     requests = max(a.requests, -(-a.min_tokens // (concurrency * a.tokens)))
 
@@ -253,20 +284,23 @@ async def run(fronts: Fronts, front: str, concurrency: int, a) -> dict:
     tokens, chunks = sum(t for t, _ in got), sum(c for _, c in got)
     assert tokens == concurrency * requests * a.tokens, (front, tokens)
     workers = sum(v for n, v in used.items() if n.startswith("worker"))
-    router = used["router@base" if front.endswith("@base") else "floor" if front == "floor" else "router"]
-    return dict(front=front, concurrency=concurrency, tokens=tokens, chunks=chunks, wall_s=wall,
+    router = used["router@base" if front.endswith("@base") else f"floor@si{si}" if front == "floor" else "router"]
+    return dict(front=front, stream_interval=si, concurrency=concurrency, tokens=tokens, chunks=chunks, wall_s=wall,
                 tok_per_s=tokens / wall, router_us_per_token=router / tokens * 1e6,
+                router_us_per_request=router / (concurrency * requests) * 1e6,
                 router_us_per_chunk=router / chunks * 1e6, worker_us_per_token=workers / tokens * 1e6,
                 client_us_per_token=me / tokens * 1e6, tokens_per_chunk=tokens / chunks)
 
 
 def median_rows(runs: list[dict]) -> list[dict]:
-    keys = sorted({(r["concurrency"], FRONTS.index(r["front"])) for r in runs})
+    keys = sorted({(r["concurrency"], FRONTS.index(r["front"]), r.get("stream_interval", 1)) for r in runs})
     out = []
-    for c, f in keys:
-        group = [r for r in runs if r["concurrency"] == c and r["front"] == FRONTS[f]]
+    for c, f, si in keys:
+        group = [r for r in runs if r["concurrency"] == c and r["front"] == FRONTS[f]
+                 and r.get("stream_interval", 1) == si]
         row = dict(group[0])
-        for k in ("wall_s", "tok_per_s", "router_us_per_token", "router_us_per_chunk", "worker_us_per_token",
+        for k in ("wall_s", "tok_per_s", "router_us_per_token", "router_us_per_request", "router_us_per_chunk",
+                  "worker_us_per_token",
                   "client_us_per_token", "tokens_per_chunk"):
             row[k] = statistics.median(r[k] for r in group)
         out.append(row)
@@ -274,13 +308,14 @@ def median_rows(runs: list[dict]) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| concurrency | front | tokens/s | router CPU us/token | router CPU us/chunk | tokens/chunk | "
-          "worker CPU us/token | client CPU us/token |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| concurrency | front | stream interval | tokens/s | router CPU us/token | router CPU us/chunk | "
+          "router CPU us/request | tokens/chunk | worker CPU us/token | client CPU us/token |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        router = ("-", "-") if r["front"] == "worker" else \
-            (f"{r['router_us_per_token']:.1f}", f"{r['router_us_per_chunk']:.1f}")
-        print(f"| {r['concurrency']} | {r['front']} | {r['tok_per_s']:,.0f} | {router[0]} | {router[1]} | "
+        router = ("-", "-", "-") if r["front"] == "worker" else \
+            (f"{r['router_us_per_token']:.1f}", f"{r['router_us_per_chunk']:.1f}", f"{r['router_us_per_request']:,.0f}")
+        print(f"| {r['concurrency']} | {r['front']} | {r.get('stream_interval', 1)} | {r['tok_per_s']:,.0f} | "
+              f"{router[0]} | {router[1]} | {router[2]} | "
               f"{r['tokens_per_chunk']:.2f} | {r['worker_us_per_token']:.0f} | {r['client_us_per_token']:.0f} |")
 
 
@@ -298,9 +333,9 @@ async def main_async(a, model: str) -> list[dict]:
             async with Fronts(stack, a) as fronts:
                 for rnd in range(a.rounds):
                     for c in concurrencies:
-                        order = fronts_wanted if rnd % 2 == 0 else fronts_wanted[::-1]
-                        for front in order:
-                            runs.append(await run(fronts, front, c, a))
+                        variants = [(f, si) for si in a.intervals for f in fronts_wanted]
+                        for front, si in variants if rnd % 2 == 0 else variants[::-1]:
+                            runs.append(await run(fronts, front, c, a, si))
         except Exception:
             for f in sorted(os.listdir(logs)):
                 with open(os.path.join(logs, f), errors="replace") as fh:
@@ -340,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         a.concurrency, a.tokens, a.rounds, a.requests = "1,4", 16, 1, 2
     if min(a.workers, a.tokens, a.requests, a.rounds) < 1:
         raise SystemExit("workers, tokens, requests and rounds: must be at least 1")
+    try:
+        a.intervals = sorted({int(x) for x in a.stream_intervals.split(",") if x})
+    except ValueError:
+        a.intervals = []
+    if not a.intervals or min(a.intervals) < 1:
+        raise SystemExit(f"stream-intervals: positive integers, comma-separated (got {a.stream_intervals!r})")
     model = a.model or default_model(DEFAULT_CACHE / "bench")
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
