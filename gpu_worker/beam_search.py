@@ -3,8 +3,9 @@
 vLLM (V1) runs beam search as a driver outside its engine: every step each beam becomes a
 fresh one-token request with logprobs=2*beam_width, and siblings meet again only through the
 prefix cache. That shares full blocks at best, recomputes every beam's partial last block
-each step, and re-reads whole prompts through the cache lookups. pagoda does it the way the
-PagedAttention paper describes instead, inside the engine:
+each step, and re-reads whole prompts through the cache lookups (bench/beam.py: the same
+blocks held, at half the beam tokens per second). pagoda does it the way the PagedAttention
+paper describes instead, inside the engine:
 
 - A beam is a `Request` of the scheduler. Its step computes the logits of its last token and
   comes back with the top 2 * beam_width raw log-probabilities (and the sampled token, as
