@@ -49,6 +49,8 @@ def reference_beam_search(model, prompt, width, max_tokens, eos_ids, length_pena
     dict(block_size=8),                                        # the partial block is copied on fork
     dict(block_size=16, enable_prefix_caching=False),
     dict(block_size=8, num_kv_blocks=16),                      # beams preempted: recomputed
+    # Preempted beams swapped to the host tier and back (their shared blocks come back as copies).
+    dict(block_size=8, num_kv_blocks=16, preemption_mode="swap", kv_offloading_size=0.01),
     # Searches queue for sequence slots: one starts when all its beams fit.
     dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=64),
 ])
@@ -71,6 +73,8 @@ def test_equals_brute_force_reference(tiny_llm_factory, hf_model, setup):
             assert scores == sorted(scores, reverse=True)
     if "num_kv_blocks" in setup:
         assert llm.engine.scheduler.num_preemptions > 0
+    if "preemption_mode" in setup:
+        assert llm.engine.scheduler.num_swaps > 0
 
 
 def test_temperature_adds_the_sampled_token_as_a_candidate(tiny_llm_factory):
