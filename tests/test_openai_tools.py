@@ -141,6 +141,33 @@ def test_a_conversation_with_a_tool_call_and_its_result(client, stack):
     assert CALL in text["prompt"] and '{"forecast": "sunny"}' in text["prompt"]
 
 
+def test_a_router_with_the_llama3_json_parser(stack, redis_server_module, tmp_path):  # noqa: F811
+    """--tool-call-parser llama3_json: the same worker's output read as Llama 3 JSON calls."""
+    from tests.plugins.cluster import _spawn
+    port, procs = free_port(), []
+    _spawn(["-m", "router", "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_server_module.url,
+            "--metrics-port", "0", "--http-port", str(port), "--tool-call-parser", "llama3_json"], tmp_path, "router", procs)
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        wait_for(lambda: len(_get(base + "/models")["data"]) == 1, 20, "the second router to list the model")
+        call = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+        with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120) as c:
+            r = c.chat.completions.create(model=stack["model"], messages=ASK, tools=TOOLS, max_tokens=64,
+                                          extra_body={"guided_choice": [call]})
+            chunks = list(c.chat.completions.create(model=stack["model"], messages=ASK, tools=TOOLS, max_tokens=64,
+                                                    stream=True, extra_body={"guided_choice": [call]}))
+        (tc,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        assert tc.function.name == "get_time" and json.loads(tc.function.arguments) == {"zone": "UTC"}
+        streamed = [t for ch in chunks if ch.choices for t in ch.choices[0].delta.tool_calls or []]
+        assert streamed[0].function.name == "get_time"
+        assert json.loads("".join(t.function.arguments or "" for t in streamed)) == {"zone": "UTC"}
+    finally:
+        for p in procs:
+            p.kill()
+        _wait_idle(stack["worker"].address)
+
+
 @pytest.mark.parametrize("kw, param", [
     (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
     (dict(tool_choice="always"), "tool_choice"),
