@@ -223,18 +223,29 @@ class KVCacheManager:
     def swap_in(self, request: Request, num_new_tokens: int) -> Optional[list[KVCacheBlock]]:
         """Device blocks for a swapped-out request's KV (copies back queued) plus room for
         num_new_tokens more, or None and nothing changed. request.num_computed_tokens must be
-        what it was at swap_out."""
-        host = self.host
+        what it was at swap_out. Leading full blocks the device prefix cache still holds are
+        taken from there, as a prefix hit: only the rest is copied (swap is never dearer than
+        recompute for what the cache kept)."""
+        host, pool = self.host, self.pool
         assert host is not None and self.swapped_tokens.get(request.req_id) == request.num_computed_tokens
         slots = host.swapped[request.req_id]
+        kept: list[KVCacheBlock] = []
+        if self.enable_caching:
+            for h in request.block_hashes[:request.num_computed_tokens // self.block_size]:
+                b = pool.get_cached_block(h)
+                if b is None:
+                    break
+                kept.append(b)
         total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        if total > self.pool.num_free_blocks():
+        if total - len(kept) > pool.num_free_blocks() - sum(1 for b in kept if b.ref_cnt == 0):
             return None
-        blocks = self.pool.get_new_blocks(len(slots))
-        self.pool.copies.extend(KVCopy(False, b.block_id, s) for b, s in zip(blocks, slots))
+        pool.touch(kept)
+        new = pool.get_new_blocks(len(slots) - len(kept))
+        pool.copies.extend(KVCopy(False, b.block_id, s) for b, s in zip(new, slots[len(kept):]))
         del self.swapped_tokens[request.req_id]
         host.release_swapped(request.req_id)
-        self.req_to_blocks[request.req_id] = blocks
+        self.req_to_blocks[request.req_id] = kept + new
+        self.num_cached_blocks[request.req_id] = len(kept)
         got = self.allocate_slots(request, num_new_tokens)
         assert got is not None
         return got

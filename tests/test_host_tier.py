@@ -190,19 +190,39 @@ def test_swap_out_and_in_move_every_computed_block():
     assert m.host.swapped == {"r": [0, 1, 2]} and m.is_swapped(r) and r.num_computed_tokens == 10
     assert m.pool.num_free_blocks() == 4 and "r" not in m.req_to_blocks
     assert free_ids(m) == [2, 3, 1, 0]
-    # Resume with one more token: the three blocks come back to new device blocks. Block 1 still
-    # cached r's second block: its KV takes the last host slot on the way out.
+    # Resume with one more token. Blocks 0 and 1 still cache r's two full blocks: taken back as
+    # prefix hits; only the partial block comes back from the host, to block 2.
     r.append_output_token(5)
     blocks = m.swap_in(r, 1)
-    assert ids(blocks) == [2, 3, 1]
-    assert m.take_tier_copies() == [KVCopy(True, 1, 3), KVCopy(False, 2, 0), KVCopy(False, 3, 1),
-                               KVCopy(False, 1, 2)]
-    assert m.host.swapped == {} and sorted(m.host.free) == [0, 1, 2] and not m.is_swapped(r)
-    assert [b.ref_cnt for b in m.pool.blocks] == [0, 1, 1, 1] and free_ids(m) == [0]
-    # Its full blocks are named again: the first is a duplicate of block 0's, still cached.
+    assert ids(blocks) == [0, 1, 2]
+    assert m.take_tier_copies() == [KVCopy(False, 2, 2)]
+    assert m.host.swapped == {} and sorted(m.host.free) == [0, 1, 2, 3] and not m.is_swapped(r)
+    assert [b.ref_cnt for b in m.pool.blocks] == [1, 1, 1, 0] and free_ids(m) == [3]
+    assert [b.block_hash for b in blocks] == r.block_hashes[:2] + [None]
+
+
+def test_swap_in_copies_every_block_the_device_cache_lost():
+    m = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=6)
+    r = req("r", list(range(10)))
+    run(m, r)
+    assert m.swap_out(r)
+    other = req("o", list(range(50, 66)))        # takes all four device blocks, r's cached two too
+    run(m, other)
+    # r's own slots first, then r's two cached blocks leave the device for host slots 3 and 4.
+    assert m.take_tier_copies() == [KVCopy(True, 0, 0), KVCopy(True, 1, 1), KVCopy(True, 2, 2),
+                                    KVCopy(True, 1, 3), KVCopy(True, 0, 4)]
+    m.free(other)
+    assert free_ids(m) == [0, 1, 3, 2]
+    r.append_output_token(5)
+    blocks = m.swap_in(r, 1)
+    assert ids(blocks) == [0, 1, 3]
+    # o's blocks go to the host (slot 5, then the least recent entries: r's own cached copies,
+    # which the swap makes redundant), then r's three slots come back; its slots are never taken.
+    assert m.take_tier_copies() == [KVCopy(True, 0, 5), KVCopy(True, 1, 3), KVCopy(True, 3, 4),
+                                    KVCopy(False, 0, 0), KVCopy(False, 1, 1), KVCopy(False, 3, 2)]
     assert [b.block_hash for b in blocks] == r.block_hashes[:2] + [None]
     assert m.pool.get_cached_block(r.block_hashes[0]).block_id == 0
-    assert m.pool.get_cached_block(r.block_hashes[1]).block_id == 3
+    assert m.host.swapped == {} and m.host.free == [2, 1, 0]
 
 
 def test_swap_out_refused_when_the_host_tier_is_too_small():
