@@ -11,7 +11,13 @@ alternately request by request so that load on the machine falls on both alike; 
 request run alone (no queueing), reported over the requests after the first round (every tenant
 seen once). CPU time of the process is given beside wall time (more robust on a shared machine).
 
+A second table (--preemption) runs many long generations through a pool too small for all of them
+at once, so the scheduler preempts: recompute (the default) against swap to the host tier, both
+engines with the tier (so recompute too finds the evicted full blocks there), as output tokens
+per second of CPU time and of wall time, with greedy outputs compared.
+
     python bench/kv_tier.py               # the recorded run (CPU)
+    python bench/kv_tier.py --preemption  # swap against recompute
     python bench/kv_tier.py --quick       # smoke run, seconds
     python bench/kv_tier.py --gpu --rounds 2 --prefix-len 2048    # on CUDA (bench/gpu_check.sh):
                                           # a Llama-3.2-1B-shaped random model in bf16
@@ -56,6 +62,43 @@ def first_token(engine, rid: str, prompt: list[int], salt: str, params) -> tuple
     return out
 
 
+def preemption(args, model_dir: str, vocab: int, device: str, common: dict, host_gib: float) -> str:
+    """Swap against recompute: the same generations through a pool that holds about half of them
+    at once; each variant twice, alternated. Returns the markdown table."""
+    from gpu_worker import LLM, SamplingParams
+    rng = random.Random(args.seed + 7)
+    n, prompt_len, out_len = (8, 32, 48) if args.quick else (32, 256, 256)
+    prompts = [[rng.randrange(5, vocab) for _ in range(prompt_len)] for _ in range(n)]
+    blocks = n * (prompt_len + out_len) // 16 // 2
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    llms = {mode: LLM(model=model_dir, **{**common, "num_kv_blocks": blocks}, max_num_seqs=n,
+                      kv_offloading_size=host_gib, preemption_mode=mode) for mode in ("recompute", "swap")}
+    runs: dict[str, list[tuple[float, float]]] = {m: [] for m in llms}
+    outputs = {}
+    for rep in range(2):
+        for mode in (("recompute", "swap") if rep % 2 == 0 else ("swap", "recompute")):
+            llm = llms[mode]
+            sync(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            outs = llm.generate(prompts, params)
+            sync(device)
+            runs[mode].append((time.perf_counter() - t0, time.process_time() - c0))
+            outputs[mode] = [o.outputs[0].token_ids for o in outs]
+    tokens = n * out_len
+    rows = []
+    for mode, llm in llms.items():
+        st = llm.engine.stats()
+        wall = statistics.mean(w for w, _ in runs[mode])
+        cpu = statistics.mean(c for _, c in runs[mode])
+        rows.append([mode, f"{tokens / wall:.0f}", f"{tokens / cpu:.0f}", st.preemptions // 2, st.swaps // 2,
+                     st.num_steps // 2, st.kv_copied_blocks // 2])
+    same = outputs["swap"] == outputs["recompute"]
+    return (f"{n} requests x {prompt_len} prompt + {out_len} output tokens, greedy; device pool {blocks} blocks "
+            f"of 16 (about half the requests' final size); 2 runs each, alternated; greedy outputs equal: {same}\n\n"
+            + markdown_table(["preemption", "output tok/s (wall)", "output tok/s (CPU)", "preemptions per run",
+                              "swaps per run", "steps per run", "blocks copied per run"], rows))
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         import torch
@@ -77,6 +120,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None, help="also write the markdown table here")
+    ap.add_argument("--preemption", action="store_true", help="also run swap against recompute preemption")
     args = ap.parse_args(argv)
 
     set_threads(args.threads)
@@ -142,10 +186,13 @@ def main(argv=None) -> None:
             f"host tier {host_gib:.3f} GiB; warm requests: {len(requests) - args.tenants}\n")
     print(head)
     print(table)
+    swap_table = preemption(args, model_dir, vocab, device, common, host_gib) if args.preemption else ""
+    if swap_table:
+        print("\n" + swap_table)
     print(f"\n`{command_line()}`")
     if args.out:
         with open(args.out, "w") as f:
-            f.write(head + "\n" + table + "\n")
+            f.write(head + "\n" + table + "\n" + (swap_table and "\n" + swap_table + "\n"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "figures": figures}, f)
