@@ -340,9 +340,11 @@ class Worker:
         device = getattr(runner, "device", self.args.device)
         dtype = str(getattr(runner, "dtype", self.args.dtype)).replace("torch.", "")
         capacity = engine.num_blocks * engine.block_size
-        log.info("pagoda worker %s serving model=%s device=%s dtype=%s blocks=%d token_capacity=%d "
-                 "max_concurrency@max_model_len(%d)=%.2f listening on %s:%d",
-                 self.worker_id, engine.model_name, device, dtype, engine.num_blocks, capacity,
+        quant = getattr(runner, "quant", None)
+        log.info("pagoda worker %s serving model=%s device=%s dtype=%s weights=%.3fGiB quantization=%s "
+                 "blocks=%d token_capacity=%d max_concurrency@max_model_len(%d)=%.2f listening on %s:%d",
+                 self.worker_id, engine.model_name, device, dtype, getattr(runner, "weight_bytes", 0) / 2**30,
+                 quant.method if quant is not None else "none", engine.num_blocks, capacity,
                  engine.max_model_len, capacity / engine.max_model_len, self.args.host, self.port)
 
     async def _start_publisher(self, a) -> None:

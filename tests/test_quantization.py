@@ -282,3 +282,11 @@ def test_flag_in_worker_help():
     assert parser.parse_args(["--model", "m"]).quantization is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--quantization", "int3"])
+
+
+def test_start_up_log_gives_the_weights_as_held(checkpoints, caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger="gpu_worker.model_runner"):
+        r = runner(checkpoints("gptq-g32")[0])
+    line = next(m for m in caplog.messages if m.startswith("weights:"))
+    assert line == f"weights: {r.weight_bytes / 2**30:.3f} GiB on cpu, gptq (int4 weights, group size 32)"
