@@ -152,8 +152,12 @@ def test_one_slot_serves_adapters_in_turn_without_stale_weights(tiny_model, adap
     assert lora.resident() == ["b"]
     # a's o_proj / gate_up rows are gone from the slot: b does not target them.
     for projs in lora.layers:
-        assert not projs["lora_o"].a[0].any() and not projs["lora_gate_up"].b[1][0].any()
+        assert not projs["lora_o"].a[0].any() and not projs["lora_gate_up"].b[0].any()
         assert not projs["lora_gate_up"].a[0].any() and not projs["lora_qkv"].a[0, 8:16].any()    # k_proj
+        qkv = projs["lora_qkv"]
+        q, k = qkv.offsets[1], qkv.offsets[2]
+        assert qkv.b[0, :q, 0:4].any() and not qkv.b[0, :q, 4:].any()        # q: rank 4 of 8, its block only
+        assert not qkv.b[0, q:k].any() and qkv.b[0, k:, 16:20].any() and not qkv.b[0, k:, :16].any()
     assert greedy(llm, PROMPTS[:1], "a") == references["a"][:1]
     assert lora.resident() == ["a"]
 
