@@ -290,3 +290,19 @@ def test_start_up_log_gives_the_weights_as_held(checkpoints, caplog):
         r = runner(checkpoints("gptq-g32")[0])
     line = next(m for m in caplog.messages if m.startswith("weights:"))
     assert line == f"weights: {r.weight_bytes / 2**30:.3f} GiB on cpu, gptq (int4 weights, group size 32)"
+
+
+@pytest.mark.slow
+def test_a_worker_serves_a_gptq_checkpoint_over_grpc(checkpoints, start_worker):
+    """`python -m gpu_worker --quantization gptq` on loopback: greedy tokens streamed over gRPC equal
+    the dequantized model's offline, and the start-up line gives the quantization and weights."""
+    from clients import PagodaClient
+    qdir, refdir = checkpoints("gptq-g32")
+    worker = start_worker(qdir, quantization="gptq")
+    ids = [5, 40, 9, 200, 7, 33, 81, 12]
+    with PagodaClient(worker.address, retries=0) as client:
+        got = client.complete(ids, temperature=0.0, max_tokens=12, ignore_eos=True).token_ids
+    want = LLM(refdir, device="cpu", num_kv_blocks=32).generate(
+        [ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
+    assert got == want and len(got) == 12
+    assert "quantization=gptq" in worker.log() and "weights=0.00" in worker.log()
