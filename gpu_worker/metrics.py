@@ -30,7 +30,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 PREFIXES = ("pagoda", "vllm")
 # Where vLLM's name differs from ours (vLLM v1's PrometheusStatLogger), and ours it lacks.
 _VLLM_NAMES = {"inter_token_latency_seconds": "time_per_output_token_seconds"}
-_PAGODA_ONLY = {"num_kv_blocks", "num_free_kv_blocks", "prefill_tokens_computed"}
+_PAGODA_ONLY = {"num_kv_blocks", "num_free_kv_blocks", "prefill_tokens_computed", "num_host_kv_blocks",
+                "host_kv_cached_blocks", "kv_tier_copied_blocks", "num_swaps"}
 
 
 class _Naming:
@@ -88,6 +89,12 @@ class _EngineCollector:
         yield counter("prefill_tokens_computed", "Prefill tokens computed (recompute after preemption "
                       "included).", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+        if s.host_blocks:                       # a host KV tier (--kv-offloading-size)
+            yield gauge("num_host_kv_blocks", "Blocks in the host KV tier.", s.host_blocks)
+            yield gauge("host_kv_cached_blocks", "Prefix-cache blocks the host tier holds.", s.host_cached_blocks)
+            yield counter("kv_tier_copied_blocks", "Blocks copied between the device pool and the host tier.",
+                          s.kv_copied_blocks)
+            yield counter("num_swaps", "Preemptions that swapped the request's KV to the host tier.", s.swaps)
         if s.spec_num_drafts is not None:       # speculative decoding on
             yield counter("spec_decode_num_drafts", "Speculative proposals verified (one per sequence "
                           "and step).", s.spec_num_drafts)

@@ -187,3 +187,20 @@ def test_bench_quick(tmp_path):
     assert sum(figures["device only"]["cached_tokens"][warm]) == 0
     assert all(k == 96 for k in figures["host tier"]["cached_tokens"][warm])
     assert figures["host tier"]["copied_blocks"] > 0 and figures["device only"]["copied_blocks"] == 0
+
+
+def test_tier_metrics_are_exported_only_with_a_tier(tiny_llm_factory):
+    from prometheus_client import generate_latest
+
+    from gpu_worker.metrics import WorkerMetrics
+    tier = tiny_llm_factory("llama", num_kv_blocks=16, block_size=8, kv_offloading_size=HOST_64)
+    evict_prefix(tier, ids(48, 0))
+    for prefix in ("pagoda", "vllm"):
+        text = generate_latest(WorkerMetrics(tier.engine.stats, "m", prefix).registry).decode()
+        blocks = [ln for ln in text.splitlines() if ln.startswith("pagoda:num_host_kv_blocks{")]
+        assert blocks and float(blocks[0].split()[-1]) == 64
+        copied = [ln for ln in text.splitlines() if ln.startswith("pagoda:kv_tier_copied_blocks_total")]
+        assert copied and float(copied[0].split()[-1]) == tier.engine.stats().kv_copied_blocks > 0
+        assert "pagoda:num_swaps_total" in text
+    plain = tiny_llm_factory("llama", num_kv_blocks=16, block_size=8)
+    assert "host_kv" not in generate_latest(WorkerMetrics(plain.engine.stats, "m").registry).decode()
