@@ -191,6 +191,7 @@ class GrantVerifier:
         self._keys: dict | None = None
         self._secrets: dict[bytes, bytes] = {}
         self._used: dict[bytes, float] = {}        # MAC -> expiry: a grant opens one stream
+        self._prune_at = 4096
 
     def _secret(self, key_id: bytes) -> bytes | None:
         if self._keys is not self.keyring.keys:
@@ -219,8 +220,9 @@ class GrantVerifier:
             raise GrantError(grpc.StatusCode.UNAUTHENTICATED, "grant: expired; ask the router again")
         if mac in self._used:
             raise GrantError(grpc.StatusCode.PERMISSION_DENIED, "grant: already used")
-        if len(self._used) >= 4096:
+        if len(self._used) >= self._prune_at:     # amortised: at most one sweep per doubling
             self._used = {m: e for m, e in self._used.items() if e >= now}
+            self._prune_at = max(4096, 2 * len(self._used))
         self._used[mac] = expires_ms / 1000
         tenant = grant[n:n + tlen].decode("utf-8", "replace")
         return Identity(tenant) if scoped else None

@@ -81,3 +81,15 @@ def test_a_direct_credit_leaves_the_ledger_when_a_report_counts_it():
     assert set(w.counted) == {"proxied"} and not w.credits and w.prefix_live == {b"p": 1}
     w.finish("proxied", 12.0)
     assert w.prefix_live == {}
+
+
+def test_used_grants_are_forgotten_once_expired(keyring):
+    signer, verifier = GrantSigner("router-key", ttl=10), GrantVerifier(keyring, "w1")
+    for i in range(4096):
+        verifier.verify(signer.sign("w1", None, request(), now=1000.0)[0], request(), now=1000.0)
+    assert len(verifier._used) == 4096
+    # The next grant, after the first ones expired, sweeps them out; it is remembered itself.
+    late, _ = signer.sign("w1", None, request(), now=1020.0)
+    verifier.verify(late, request(), now=1020.0)
+    assert len(verifier._used) == 1
+    assert refused(verifier, late, request(), now=1021.0)[1] == "grant: already used"
