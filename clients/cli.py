@@ -44,6 +44,8 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
                    help="gRPC metadata to send (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per chunk; the last carries usage")
+    p.add_argument("--direct", action="store_true",
+                   help="ask the router where to go and stream from that worker itself (direct mode)")
     return p
 
 
@@ -76,7 +78,7 @@ def run_generate(argv: list[str]) -> int:
                     seed=a.seed, stop=a.stop)
     try:
         with PagodaClient(a.target, tls=a.tls, root_certificates=root, private_key=key, certificate_chain=cert,
-                          metadata=metadata, api_key=a.api_key) as client:
+                          metadata=metadata, api_key=a.api_key, direct=a.direct) as client:
             for c in client.generate(a.prompt, system=a.system, model=a.model, timeout=a.timeout, **sampling):
                 if a.json:
                     print(_chunk_json(c), flush=True)

@@ -183,6 +183,21 @@ def test_a_worker_out_of_reach_or_refusing_sends_the_request_through_the_router(
     assert metric(router, "pagoda_router_decisions_total", outcome="direct") == 1
 
 
+def test_the_cli_streams_direct(router):
+    import json
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "clients.cli", "generate", "--target", router.address, "--direct",
+                        "--api-key", "alice-key", "Once upon a time", "--max-tokens", "5", "--temperature", "0",
+                        "--json"], capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    last = json.loads(r.stdout.splitlines()[-1])
+    assert last["finished"] and last["usage"]["completion_tokens"] == 5 and last["worker_id"] in ("da", "db")
+    assert metric(router, "pagoda_router_decisions_total", outcome="direct") == 1
+
+
 def test_direct_against_a_worker_streams_from_it(keyed):
     w = keyed["workers"][0]
     with PagodaClient(w.address, api_key="router-key", retries=0, direct=True) as c:
