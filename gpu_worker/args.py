@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: e4m3 K/V with per-tensor scales, half the memory of bf16")
     p.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
                    help="quantized weights: fp8 quantizes a bf16/fp16/fp32 checkpoint at load (e4m3 per output "
-                        "channel); a checkpoint quantized already (compressed-tensors fp8, GPTQ or AWQ int4) is "
+                        "channel); a checkpoint quantized already (compressed-tensors fp8 or int4, GPTQ or AWQ int4) is "
                         "found from its config.json, and a value given must match it")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=_D["scheduling_policy"])
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default=_D["async_scheduling"],

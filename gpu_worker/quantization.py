@@ -9,10 +9,12 @@ and --quantization (when given) must agree with it. Without a quantization_confi
   tensor or in blocks such as 128x128: `weight`, `weight_scale`, optional static `input_scale`),
   and vLLM's own "fp8" format (`weight_scale_inv` for blocks, `weight_scale` per tensor).
 - int4 weight-only: GPTQ (qweight int32 [K/8, N] packed along the input, qzeros [G, N/8] packed
-  along the output and stored minus one in the original "gptq" format, scales [G, N], g_idx [K])
-  and AWQ GEMM (qweight [K, N/8] and qzeros [G, N/8] packed along the output in AWQ's interleaved
-  nibble order 0 2 4 6 1 3 5 7, scales [G, N]).
-Both int4 formats are repacked at load into one layout (kernels/quant_ref.py), so one torch
+  along the output and stored minus one in the original "gptq" format, scales [G, N], g_idx [K]),
+  AWQ GEMM (qweight [K, N/8] and qzeros [G, N/8] packed along the output in AWQ's interleaved
+  nibble order 0 2 4 6 1 3 5 7, scales [G, N]) and compressed-tensors' pack-quantized W4A16
+  (weight_packed [N, K/8] along the input holding signed values + 8, weight_scale [N, G],
+  weight_zero_point [N/8, G] along the output when asymmetric, weight_g_idx with act order).
+All int4 formats are repacked at load into one layout (kernels/quant_ref.py), so one torch
 twin and one Triton kernel serve them. The decoder layers' linears are quantized; embeddings,
 the LM head and the norms stay in the model dtype (as vLLM does), and modules a checkpoint lists
 in `ignore` stay unquantized.
@@ -60,8 +62,9 @@ class QuantConfig:
     scale_name: str = "weight_scale"         # vLLM's fp8 format names block scales weight_scale_inv
     static_input: bool = False               # fp8: the checkpoint carries input_scale
     group_size: int = -1                     # int4: input rows per scale group; -1: one group
-    packing: str = ""                        # int4: gptq | awq
+    packing: str = ""                        # int4: gptq | awq | compressed-tensors
     zeros_minus_one: bool = False            # GPTQ's original format stores zero points minus one
+    symmetric: bool = True                   # compressed-tensors int4: no zero points stored (8)
     ignore: tuple[str, ...] = ()             # HF module names (or "re:" patterns) left unquantized
 
     def describe(self) -> str:
@@ -131,7 +134,7 @@ def _block(value, where: str) -> tuple[int, int]:
 
 
 def _compressed_tensors(qc: dict) -> QuantConfig:
-    _field(qc, "", "format", ("float-quantized", "naive-quantized"))
+    fmt = _field(qc, "", "format", ("float-quantized", "naive-quantized", "pack-quantized"))
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError("quantization_config.config_groups: missing or empty")
@@ -147,11 +150,17 @@ def _compressed_tensors(qc: dict) -> QuantConfig:
         w = g.get("weights")
         if not isinstance(w, dict):
             raise ValueError(f"quantization_config.{where}weights: missing")
-        _field(w, where + "weights.", "type", ("float",))
-        _field(w, where + "weights.", "num_bits", (8,))
-        strategy = _field(w, where + "weights.", "strategy", ("channel", "tensor", "block"))
         if w.get("dynamic"):
             raise ValueError(f"quantization_config.{where}weights.dynamic: must be false (weights are stored quantized)")
+        kind = _field(w, where + "weights.", "type", ("float", "int"))
+        if kind == "int":
+            schemes.add(_ct_int4(fmt, w, g.get("input_activations"), where))
+            continue
+        if fmt == "pack-quantized":
+            raise ValueError("quantization_config.format: 'pack-quantized' holds int4 weights, but "
+                             f"{where}weights.type is 'float' (fp8 checkpoints are 'float-quantized')")
+        _field(w, where + "weights.", "num_bits", (8,))
+        strategy = _field(w, where + "weights.", "strategy", ("channel", "tensor", "block"))
         block = _block(w.get("block_structure"), where + "weights.block_structure") if strategy == "block" else None
         a = g.get("input_activations")
         static = False
@@ -164,12 +173,39 @@ def _compressed_tensors(qc: dict) -> QuantConfig:
             else:
                 # llm-compressor's FP8_BLOCK writes per-group (1 x 128) dynamic activations.
                 _field(a, where + "input_activations.", "strategy", ("token", "tensor", "group", None))
-        schemes.add((block, static))
+        schemes.add(("fp8", block, static))
     if len(schemes) > 1:
         raise ValueError("quantization_config.config_groups: groups with different schemes are not supported")
-    block, static = schemes.pop()
-    return QuantConfig("compressed-tensors", "fp8", block=block, static_input=static,
-                       ignore=_ignore(qc.get("ignore")))
+    scheme = schemes.pop()
+    ignore = _ignore(qc.get("ignore"))
+    if scheme[0] == "int4":
+        _, group, symmetric = scheme
+        return QuantConfig("compressed-tensors", "int4", group_size=group, packing="compressed-tensors",
+                           symmetric=symmetric, ignore=ignore)
+    _, block, static = scheme
+    return QuantConfig("compressed-tensors", "fp8", block=block, static_input=static, ignore=ignore)
+
+
+def _ct_int4(fmt: str, w: dict, acts, where: str) -> tuple:
+    """compressed-tensors W4A16 (llm-compressor's GPTQ / AWQ presets): weight_packed int32 [N, K/8]
+    along the input, values offset by 8 (signed int4 stored unsigned), weight_scale [N, G],
+    weight_zero_point [N/8, G] packed along the output (asymmetric only), optional weight_g_idx."""
+    if fmt != "pack-quantized":
+        raise ValueError(f"quantization_config.format: {fmt!r} with int weights is not supported "
+                         f"(pagoda takes int4 as 'pack-quantized')")
+    _field(w, where + "weights.", "num_bits", (4,))
+    strategy = _field(w, where + "weights.", "strategy", ("group", "channel"))
+    group = -1
+    if strategy == "group":
+        size = w.get("group_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise ValueError(f"quantization_config.{where}weights.group_size: must be a positive integer (got {size!r})")
+        group = size
+    _field(w, where + "weights.", "actorder", (None, "group", "weight", "static", "dynamic"))
+    if acts is not None:
+        raise ValueError(f"quantization_config.{where}input_activations: int4 weights with quantized activations "
+                         "are not supported (pagoda takes W4A16: input_activations null)")
+    return ("int4", group, bool(w.get("symmetric", True)))
 
 
 def _vllm_fp8(qc: dict) -> QuantConfig:
@@ -382,19 +418,26 @@ class Int4Linear(QuantLinear):
         self.groups = 1 if g == -1 else k // g
 
     def expected(self) -> set[str]:
+        if self.cfg.packing == "compressed-tensors":
+            return {"weight_packed", "weight_scale"} | (set() if self.cfg.symmetric else {"weight_zero_point"})
         return {"qweight", "qzeros", "scales"}
 
     def fuse(self, leaf: str, pieces: list[torch.Tensor]) -> torch.Tensor:
-        if leaf == "g_idx":
+        if leaf in ("g_idx", "weight_g_idx"):
             if any(not torch.equal(p, pieces[0]) for p in pieces[1:]):
                 raise ValueError("model: the fused projection's parts have different g_idx (act-order "
                                  "permutations); pagoda needs them equal")
             return pieces[0]
+        if leaf == "weight_shape":      # [rows, K] per part: the fused layer's is the sum of rows
+            return torch.tensor([sum(int(p[0]) for p in pieces), int(pieces[0][1])])
         if pieces[0].dim() == 1:
             return torch.cat(pieces)
-        return torch.cat(pieces, dim=1)     # both formats keep the output dimension last
+        # GPTQ and AWQ keep the output dimension last, compressed-tensors first.
+        return torch.cat(pieces, dim=0 if self.cfg.packing == "compressed-tensors" else 1)
 
     def load(self, leaf: str, tensor: torch.Tensor, hf_name: str, device: torch.device) -> None:
+        if self.cfg.packing == "compressed-tensors":
+            return self._load_compressed_tensors(leaf, tensor, hf_name, device)
         n, k, g = self.out_features, self.in_features, self.groups
         awq = self.cfg.packing == "awq"
         if leaf == "qweight":
@@ -426,12 +469,46 @@ class Int4Linear(QuantLinear):
         else:
             raise ValueError(f"model: checkpoint tensor {hf_name} has no place in a {self.cfg.method} layer")
 
+    def _load_compressed_tensors(self, leaf: str, tensor: torch.Tensor, hf_name: str, device: torch.device) -> None:
+        n, k, g = self.out_features, self.in_features, self.groups
+        if leaf == "weight_packed":
+            self._int32(hf_name, tensor)
+            self._shape(hf_name, tensor, (n, k // 8))
+            rows = unpack_int4_cols(tensor, tuple(range(8)))          # [N, K], unsigned (signed + 8)
+            self._set("qweight", pack_int4_rows(rows.t()).to(device).contiguous())
+            self.loaded.add("weight_packed")
+        elif leaf == "weight_scale":
+            self._shape(hf_name, tensor, (n, g))
+            if not tensor.is_floating_point():
+                raise ValueError(f"model: checkpoint tensor {hf_name} is {tensor.dtype}; scales must be floating point")
+            self._set("scales", tensor.t().to(device).contiguous())
+            self.loaded.add("weight_scale")
+        elif leaf == "weight_zero_point" and not self.cfg.symmetric:
+            self._int32(hf_name, tensor)
+            self._shape(hf_name, tensor, (n // 8, g))
+            z = unpack_int4_cols(tensor.t().contiguous(), tuple(range(8)))     # [G, N], unsigned like the weights
+            self._set("zeros", z.to(device=device, dtype=torch.uint8).contiguous())
+            self.loaded.add("weight_zero_point")
+        elif leaf == "weight_g_idx":
+            self._shape(hf_name, tensor, (k,))
+            if int(tensor.min()) < 0 or int(tensor.max()) >= g:
+                raise ValueError(f"model: checkpoint tensor {hf_name} has group ids outside 0..{g - 1}")
+            self._set("g_idx", tensor.to(device=device, dtype=torch.int32).contiguous())
+        elif leaf == "weight_shape":
+            if [int(v) for v in tensor.reshape(-1)] != [n, k]:
+                raise ValueError(f"model: checkpoint tensor {hf_name} says shape {tensor.tolist()}, expected {[n, k]}")
+        else:
+            raise ValueError(f"model: checkpoint tensor {hf_name} has no place in a {self.cfg.method} int4 layer")
+
     @staticmethod
     def _int32(hf_name: str, tensor: torch.Tensor) -> None:
         if tensor.dtype != torch.int32:
             raise ValueError(f"model: checkpoint tensor {hf_name} is {tensor.dtype}; packed int4 must be int32")
 
     def finish(self) -> None:
+        if self.cfg.packing == "compressed-tensors" and self.cfg.symmetric:
+            # Signed int4 stored with +8: the zero point of every group is 8.
+            self.zeros = torch.full(tuple(self.scales.shape), 8, dtype=torch.uint8, device=self.scales.device)
         if "g_idx" not in self.loaded:
             size = self.in_features if self.cfg.group_size == -1 else self.cfg.group_size
             rows = torch.arange(self.in_features, device=self.qweight.device, dtype=torch.int32)

@@ -15,6 +15,9 @@ Formats (each one's layout in gpu_worker/quantization.py's docstring):
                       permutation shared by the linears of one input), checkpoint_format gptq (zero
                       points stored minus one) or gptq_v2
   awq                 int4 GEMM, zero points, group_size
+  compressed-tensors-w4a16
+                      llm-compressor's pack-quantized int4 (W4A16): group_size or per channel,
+                      sym or not, desc_act (actorder "group", weight_g_idx)
 """
 from __future__ import annotations
 
@@ -122,6 +125,14 @@ def quantization_config(fmt: str, **o) -> dict:
         return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
                 "ignore": ["lm_head"]}
+    if fmt == "compressed-tensors-w4a16":
+        group = o.get("group_size", 128)
+        weights = {"num_bits": 4, "type": "int", "symmetric": bool(o.get("sym", True)), "dynamic": False,
+                   "strategy": "channel" if group == -1 else "group", "group_size": None if group == -1 else group,
+                   "actorder": "group" if o.get("desc_act") else None, "observer": "minmax"}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+                "ignore": ["lm_head"]}
     if fmt == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                 "weight_block_size": list(o.get("block", (128, 128)))}
@@ -179,7 +190,7 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, seed: int = 0, **o) -> tup
                 if key not in perms:
                     perms[key] = torch.randperm(k, generator=gen)
                 g_idx = g_idx[perms[key]].contiguous()
-            sym = bool(o.get("sym", True)) if fmt == "gptq" else False
+            sym = bool(o.get("sym", True)) if fmt != "awq" else False
             # GPTQ's original format cannot store zero point 0 (0 - 1 wraps to 15, read back as
             # 16), so zero points start at 1 there.
             v1 = fmt == "gptq" and o.get("checkpoint_format", "gptq") == "gptq"
@@ -192,6 +203,16 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, seed: int = 0, **o) -> tup
                 out[base + ".g_idx"] = g_idx
                 if o.get("zero_bias"):
                     out[base + ".bias"] = torch.zeros(n, dtype=torch.float16)
+            elif fmt == "compressed-tensors-w4a16":
+                # [N, K/8] along the input, signed values + 8 (our unsigned codes with zero 8 when
+                # symmetric); asymmetric zero points [N/8, G] packed along the output.
+                out[base + ".weight_packed"] = pack_cols(q.t().contiguous())
+                out[base + ".weight_scale"] = s.t().contiguous()
+                out[base + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int32)
+                if not sym:
+                    out[base + ".weight_zero_point"] = pack_cols(z).t().contiguous()
+                if o.get("desc_act"):
+                    out[base + ".weight_g_idx"] = g_idx
             else:
                 out[base + ".qweight"] = pack_cols(q, AWQ_ORDER)
                 out[base + ".qzeros"] = pack_cols(z, AWQ_ORDER)

@@ -44,6 +44,10 @@ CASES = {
     "gptq-act-order": ("gptq", {"group_size": 32, "desc_act": True, "zero_bias": True}, {}),
     "awq-g32": ("awq", {"group_size": 32}, {}),
     "awq-g64": ("awq", {"group_size": 64}, {}),
+    # compressed-tensors W4A16 (llm-compressor's int4 presets): pack-quantized.
+    "ct-w4a16-g32": ("compressed-tensors-w4a16", {"group_size": 32}, {}),
+    "ct-w4a16-channel": ("compressed-tensors-w4a16", {"group_size": -1}, {}),
+    "ct-w4a16-asym-actorder": ("compressed-tensors-w4a16", {"group_size": 32, "sym": False, "desc_act": True}, {}),
 }
 
 
@@ -94,13 +98,13 @@ def assert_same_logits(quantized, reference, rel=1e-6):
 def test_logits_equal_the_dequantized_model(checkpoints, case):
     qdir, refdir = checkpoints(case)
     q = runner(qdir)
-    assert q.quant is not None and q.quant.method == CASES[case][0]
+    assert q.quant is not None and q.quant.method == CASES[case][0].removesuffix("-w4a16")
     layers = [m for m in q.model.modules() if isinstance(m, (Fp8Linear, Int4Linear))]
     assert len(layers) == 4 * q.hf_config.num_hidden_layers      # every decoder linear is quantized
     assert_same_logits(q, runner(refdir))
 
 
-@pytest.mark.parametrize("case", ["ct-channel", "ct-block32", "gptq-g32", "awq-g32"])
+@pytest.mark.parametrize("case", ["ct-channel", "ct-block32", "gptq-g32", "awq-g32", "ct-w4a16-g32"])
 def test_greedy_output_equals_the_dequantized_model(checkpoints, case):
     qdir, refdir = checkpoints(case)
     prompts = [[5 + i, 40 + 3 * i, 9, 200 + i] * (1 + i) for i in range(4)]
@@ -156,7 +160,8 @@ def test_fp8_at_load_under_tensor_parallelism_quantizes_each_ranks_slice(tiny_mo
     assert got == want
 
 
-@pytest.mark.parametrize("case", ["ct-channel", "ct-block32", "gptq-g32", "awq-g32", "gptq-channel-asym"])
+@pytest.mark.parametrize("case", ["ct-channel", "ct-block32", "gptq-g32", "awq-g32", "gptq-channel-asym",
+                                  "ct-w4a16-g32"])
 def test_weight_bytes_count_packed_weights_and_scales(checkpoints, case):
     qdir, refdir = checkpoints(case)
     q, ref = runner(qdir), runner(refdir)
@@ -226,6 +231,14 @@ def _with_quant_config(src, dst, edit):
      "weight_block_size / block_structure"),
     ("ct-channel", lambda c: c.update(ignore=["model.layers.0.self_attn.q_proj"]), "quantization_config.ignore"),
     ("fp8-block", lambda c: c.update(activation_scheme="sometimes"), "quantization_config.activation_scheme"),
+    ("ct-w4a16-g32", lambda c: c["config_groups"]["group_0"]["weights"].update(num_bits=2),
+     "quantization_config.config_groups.group_0.weights.num_bits"),
+    ("ct-w4a16-g32", lambda c: c.update(format="float-quantized"), "quantization_config.format"),
+    ("ct-w4a16-g32", lambda c: c["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "int", "dynamic": True}),
+     "quantization_config.config_groups.group_0.input_activations"),
+    ("ct-w4a16-g32", lambda c: c["config_groups"]["group_0"]["weights"].update(group_size=0),
+     "quantization_config.config_groups.group_0.weights.group_size"),
 ])
 def test_bad_quantization_configs_are_refused_naming_the_field(checkpoints, tmp_path, case, edit, field):
     path = _with_quant_config(checkpoints(case)[0], tmp_path / "bad", edit)
