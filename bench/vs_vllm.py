@@ -15,7 +15,10 @@ submitted at once:
 
 Each engine runs in its own process and interpreter, driven through its engine step loop
 (vLLM's LLMEngine add_request/step, pagoda's LLMEngine): TTFT is stamped when a request's first
-token comes out of step(). Start-up = process start to ready (model loaded, engine built, its
+token comes out of step(). CPU ms/token: user + system CPU time of the engine's whole process tree (the driving process and
+its children, vLLM's engine core among them, read from /proc) over the workload, per output
+token: a figure that other load on a shared machine disturbs much less than tok/s; its ratio
+vLLM / pagoda > 1 means pagoda spends less CPU per token. Start-up = process start to ready (model loaded, engine built, its
 warm-up done, one short request served). Per --rounds (default 3) one vLLM and one pagoda
 process, the order alternating; the report gives medians and min-max per workload, the
 pagoda/vLLM ratio of each round's pair, greedy token agreement, start-ups and load averages.
@@ -41,6 +44,7 @@ directory (VLLM_CACHE_ROOT), and each vLLM run records whether that cache was wa
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -125,11 +129,34 @@ def build_model(path: str, quick: bool) -> str:
 
 # ---- one engine's process -------------------------------------------------------------------
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and all its live descendants (vLLM's engine
+    core and worker processes are children of the driving process), from /proc."""
+    total, todo, seen = 0.0, [pid], set()
+    tick = os.sysconf("SC_CLK_TCK")
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick    # utime, stime
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError, IndexError):
+            continue    # gone meanwhile
+    return total
+
+
 def drive(add, step, wl: dict) -> dict:
     """Submit every request of `wl` at once, step until all are done. add(rid, prompt) queues one;
     step() yields (rid, new token ids, finished, cached prompt tokens) per request with news."""
     t_add, first, done, cached = {}, {}, set(), {}
     tokens: dict[str, list[int]] = {}
+    cpu0 = tree_cpu_seconds(os.getpid())
     t0 = time.perf_counter()
     for i, prompt in enumerate(wl["prompts"]):
         rid = f"{wl['name']}-{i}"
@@ -146,13 +173,15 @@ def drive(add, step, wl: dict) -> dict:
                 done.add(rid)
                 cached[rid] = num_cached or 0
     wall = time.perf_counter() - t0
+    cpu = tree_cpu_seconds(os.getpid()) - cpu0
     if any(len(t) != wl["max_tokens"] for t in tokens.values()):
         raise RuntimeError(f"{wl['name']}: a request ended before max_tokens={wl['max_tokens']} "
                            "despite ignore_eos")
     ttft = sorted(first.values())
     out = sum(len(t) for t in tokens.values())
     return dict(requests=len(tokens), prompt_tokens=sum(len(p) for p in wl["prompts"]), output_tokens=out,
-                wall_s=wall, output_tok_s=out / wall, ttft_p50_s=quantile(ttft, 0.5),
+                wall_s=wall, output_tok_s=out / wall, cpu_s=cpu, cpu_ms_per_token=cpu / out * 1e3,
+                ttft_p50_s=quantile(ttft, 0.5),
                 ttft_p90_s=quantile(ttft, 0.9), cached_prompt_tokens=sum(cached.values()),
                 tokens=[tokens[f"{wl['name']}-{i}"] for i in range(len(tokens))])
 
@@ -164,9 +193,10 @@ def quantile(xs: list[float], q: float) -> float:
 
 def run_pagoda(model: str, st: dict):
     sys.path.insert(0, REPO)
+    # gpu_worker before torch, as `pagoda worker` has it: it sets OpenMP's defaults.
+    gpu_worker = importlib.import_module("gpu_worker")
     import torch
     torch.set_num_threads(st["threads"])
-    import gpu_worker
     from gpu_worker.config import EngineConfig
     from gpu_worker.engine import LLMEngine
     from gpu_worker.sampling_params import SamplingParams
@@ -370,8 +400,11 @@ def report(runs: dict[str, list[dict]], args, st: dict, wls: list[dict]) -> str:
         vt = [r["workloads"][name]["output_tok_s"] for r in v]
         pt = [r["workloads"][name]["output_tok_s"] for r in p]
         ratios = [b / a for a, b in zip(vt, pt)]
+        vc = [r["workloads"][name]["cpu_ms_per_token"] for r in v]
+        pc = [r["workloads"][name]["cpu_ms_per_token"] for r in p]
         row = [name, f"{len(wl['prompts'])} x {wl['max_tokens']}", spread(vt), spread(pt),
-               spread(ratios, "{:.2f}x")]
+               spread(ratios, "{:.2f}x"), spread(vc, "{:.2f}"), spread(pc, "{:.2f}"),
+               spread([a / b for a, b in zip(vc, pc)], "{:.2f}x")]
         for key in ("ttft_p50_s", "ttft_p90_s"):
             row.append(" / ".join(spread([r["workloads"][name][key] * 1e3 for r in rs])
                                   for rs in (v, p) if rs))
@@ -388,6 +421,7 @@ def report(runs: dict[str, list[dict]], args, st: dict, wls: list[dict]) -> str:
     both = "vLLM / pagoda" if v and p else ("vLLM" if v else "pagoda")
     lines.append(markdown_table(
         ["workload", "requests x out", "vLLM tok/s", "pagoda tok/s", "pagoda / vLLM",
+         "vLLM CPU ms/token", "pagoda CPU ms/token", "CPU per token vLLM / pagoda",
          f"TTFT p50 ms ({both})", f"TTFT p90 ms ({both})", f"prompt tokens from cache ({both})",
          "greedy agreement: requests / tokens to 1st divergence"], rows))
     lines.append("")

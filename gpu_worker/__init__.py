@@ -2,7 +2,18 @@
 
 Offline use: `from gpu_worker import LLM, SamplingParams`.
 """
-from gpu_worker.sampling_params import SamplingParams
+import os
+import sys
+
+# OpenMP threads that wait for work sleep at once instead of spinning (libgomp reads this once,
+# when torch loads it, so only before the first `import torch`). A spinning thread holds its core
+# while the thread it waits for may sit in the run queue: on a CPU shared with other processes
+# a decode step of the vs_vllm model took 450 ms of CPU spinning against 80 ms sleeping
+# (bench/RESULTS.md, "pagoda vs vLLM"). Set OMP_WAIT_POLICY=ACTIVE for a machine of its own.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from gpu_worker.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "AsyncLLM", "EngineConfig"]
 

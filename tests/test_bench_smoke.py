@@ -108,12 +108,41 @@ def test_vs_vllm_pagoda_side(tmp_path):
     for name, r in run["workloads"].items():
         assert r["output_tok_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p90_s"] < r["wall_s"]
         assert [len(t) for t in r["tokens"]] == [wls[name]["max_tokens"]] * r["requests"]
+        assert r["cpu_s"] > 0 and r["cpu_ms_per_token"] == pytest.approx(r["cpu_s"] / r["output_tokens"] * 1e3)
     assert run["workloads"]["shared-prefix"]["cached_prompt_tokens"] == 7 * 128
     assert run["workloads"]["greedy"]["cached_prompt_tokens"] == 0
     # Same prompts, greedy then top-p: sampling changed the tokens.
     assert run["workloads"]["greedy"]["tokens"] != run["workloads"]["top-p"]["tokens"]
     rows = {r["workload"]: r for r in table_rows(out, "workload")}
     assert rows["greedy"]["vLLM tok/s"] == "n/a" and float(rows["greedy"]["pagoda tok/s"].replace(",", "")) > 0
+    assert float(rows["greedy"]["pagoda CPU ms/token"]) > 0 and rows["greedy"]["vLLM CPU ms/token"] == "n/a"
+
+
+@pytest.mark.timeout(240)
+def test_cpu_forward_quick(tmp_path):
+    out = run_script("cpu_forward.py", "--cache-dir", str(tmp_path), "--variants", "spin", "passive",
+                     timeout=200)
+    rows = {r["variant"]: r for r in table_rows(out, "variant")}
+    assert set(rows) == {"spin", "passive"}
+    assert all(float(r["decode CPU ms"]) > 0 and float(r["prefill wall ms"]) > 0 for r in rows.values())
+
+
+def test_vs_vllm_tree_cpu_seconds():
+    """The CPU time of a process tree counts a busy child's (as vLLM's engine core is one)."""
+    import subprocess
+    import time
+    sys.path.insert(0, REPO)
+    from bench.vs_vllm import tree_cpu_seconds
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.6: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 30
+        while tree_cpu_seconds(child.pid) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tree_cpu_seconds(os.getpid()) >= tree_cpu_seconds(child.pid) >= 0.5
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_vs_vllm_agreement():

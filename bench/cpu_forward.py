@@ -1,0 +1,115 @@
+"""The CPU forward of bench/vs_vllm.py's model, variant against variant (issue 22).
+
+One decode step (--batch sequences of --context tokens, the shape of vs_vllm's throughput
+workloads in steady state) and one prefill chunk (--prefill tokens of fresh prompts), each run in
+a fresh process per variant so that process-wide settings (OpenMP's wait policy is read once, when
+torch loads) are what that variant says. Reports CPU ms (the process's user + system time, robust
+to other load) and wall ms per step, mean over --reps steps after a warm-up; the machine's load
+average beside each.
+
+Variants (--variants, default all):
+    spin     OMP_WAIT_POLICY=ACTIVE: idle OpenMP threads spin (what a process that set it gets)
+    default  libgomp's own default (spins a while, then sleeps): what torch gives without pagoda
+    passive  OMP_WAIT_POLICY=PASSIVE: what gpu_worker sets before torch loads (the default now)
+
+    python bench/cpu_forward.py                 # 2 threads, batch 64 x 350, prefill 2048
+    python bench/cpu_forward.py --quick         # smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {"spin": {"OMP_WAIT_POLICY": "ACTIVE"}, "default": {"OMP_WAIT_POLICY": None},
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+
+
+def child(args) -> None:
+    """One variant: build the runner over the model, time decode and prefill steps, print JSON."""
+    sys.path.insert(0, REPO)
+    import torch
+    torch.set_num_threads(args.threads)
+    from gpu_worker.config import EngineConfig
+    from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.outputs import NewRequest, ScheduledRequest, SchedulerOutput
+    r = ModelRunner(EngineConfig(model=args.model_dir, device="cpu", dtype="float32", max_num_seqs=256,
+                                 max_num_batched_tokens=max(4096, args.prefill), max_model_len=2048))
+    bs = r.block_size
+    nb = -(-max(args.context, args.prefill) // bs)
+    r.allocate_kv_cache(nb * args.batch + nb)
+    result = {}
+    for kind in ("decode", "prefill"):
+        r.batch.update(SchedulerOutput([], finished_req_ids=set(r.batch.req_ids)))
+        if kind == "decode":
+            lens, first = [args.context] * args.batch, args.context - 1
+        else:
+            lens, first = [args.prefill], 0
+        new = [NewRequest(f"{kind}-{i}", [7 + i % 100] * n, n, None, list(range(i * nb, (i + 1) * nb)))
+               for i, n in enumerate(lens)]
+        r.batch.update(SchedulerOutput([], new=new))
+        sched = [ScheduledRequest(x.req_id, n - first, first, True, []) for x, n in zip(new, lens)]
+
+        def step():
+            with torch.inference_mode():
+                inputs = r.batch.prepare(sched)
+                h = r.model(inputs.input_ids, inputs.positions, inputs.meta)
+                return r.model.compute_logits(h[inputs.logits_indices])
+        for _ in range(2):
+            step()
+        c, w = time.process_time(), time.perf_counter()
+        for _ in range(args.reps):
+            step()
+        result[kind] = dict(cpu_ms=(time.process_time() - c) / args.reps * 1e3,
+                            wall_ms=(time.perf_counter() - w) / args.reps * 1e3,
+                            load=os.getloadavg()[0])
+    print(json.dumps(result))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=350)
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2, help="each variant this many times, interleaved")
+    ap.add_argument("--quick", action="store_true", help="tiny model and sizes: a smoke run")
+    ap.add_argument("--cache-dir", default=os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pagoda-bench", "vs_vllm"))
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return child(args)
+    sys.path.insert(0, REPO)
+    from bench.common import command_line, machine, markdown_table, now
+    from bench.vs_vllm import build_model
+    if args.quick:
+        args.batch, args.context, args.prefill, args.reps, args.rounds = 4, 40, 64, 2, 1
+    model = build_model(os.path.join(args.cache_dir, "model-quick" if args.quick else "model"), args.quick)
+    rows = []
+    for _ in range(args.rounds):
+        for name in args.variants:
+            env = {k: v for k, v in {**os.environ, **VARIANTS[name]}.items() if v is not None}
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--model-dir", model,
+                                  "--threads", str(args.threads), "--batch", str(args.batch), "--context",
+                                  str(args.context), "--prefill", str(args.prefill), "--reps", str(args.reps)],
+                                 env=env, capture_output=True, text=True, check=True)
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append([name] + [f"{res[k][f]:.1f}" if f != "load" else f"{res[k][f]:.1f}"
+                                  for k in ("decode", "prefill") for f in ("cpu_ms", "wall_ms", "load")])
+            print(f"# {name}: {res}", file=sys.stderr, flush=True)
+    print(f"{now()} on {machine()}; `{command_line()}`; {args.threads} threads, decode {args.batch} x "
+          f"{args.context} tokens, prefill {args.prefill} tokens\n")
+    print(markdown_table(["variant", "decode CPU ms", "decode wall ms", "load", "prefill CPU ms",
+                          "prefill wall ms", "load"], rows))
+
+
+if __name__ == "__main__":
+    main()
