@@ -492,7 +492,17 @@ class LLMEngine:
             blocks_held=self.num_blocks - free, block_size=self.block_size, num_steps=self.num_steps,
             step_seconds=self.step_seconds, max_num_batched_tokens=self.max_num_batched_tokens,
             request_prompt_tokens=self.request_prompt_tokens, request_cached_tokens=self.request_cached_tokens,
-            **self._spec_stats(), **self._tier_stats())
+            **self._spec_stats(), **self._tier_stats(), **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if self.runner.lora is None:
+            return {}
+        s = self.scheduler
+
+        def names(reqs) -> tuple[str, ...]:
+            return tuple(sorted({r.lora.name for r in reqs if r.lora is not None}))
+        return dict(max_lora=self.runner.lora.max_loras, running_lora_adapters=names(s.running),
+                    waiting_lora_adapters=names(s.waiting))
 
     def _spec_stats(self) -> dict:
         st = self.scheduler.spec_stats

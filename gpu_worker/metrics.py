@@ -8,6 +8,7 @@ cost nothing per step; latency histograms are observed by the server as tokens s
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -95,6 +96,12 @@ class _EngineCollector:
             yield counter("kv_tier_copied_blocks", "Blocks copied between the device pool and the host tier.",
                           s.kv_copied_blocks)
             yield counter("num_swaps", "Preemptions that swapped the request's KV to the host tier.", s.swaps)
+        if s.max_lora:      # multi-LoRA on: vLLM's info gauge, its labels the adapters in use
+            info = GaugeMetricFamily(n("lora_requests_info"), "Running stats on LoRA requests.",
+                                     labels=n.labels + ["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            info.add_metric(n.values + [str(s.max_lora), ",".join(s.waiting_lora_adapters),
+                                        ",".join(s.running_lora_adapters)], time.time())
+            yield info
         if s.spec_num_drafts is not None:       # speculative decoding on
             yield counter("spec_decode_num_drafts", "Speculative proposals verified (one per sequence "
                           "and step).", s.spec_num_drafts)

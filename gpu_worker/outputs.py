@@ -165,6 +165,10 @@ class EngineStats:
     swaps: int = 0
     kv_copied_blocks: int = 0
     kv_copy_seconds: float = 0.0
+    # Multi-LoRA (max_lora 0: off): --max-loras, and the adapters of running and waiting requests.
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def kv_utilisation(self) -> float:

@@ -176,6 +176,14 @@ class Scheduler:
             self.finished_req_ids.add(req.req_id)
 
     def _admit(self, budget: int, chunks: dict[str, int]) -> int:
+        skipped: list[Request] = []
+        try:
+            return self._admit_waiting(budget, chunks, skipped)
+        finally:
+            for req in reversed(skipped):       # back in their places, ahead of the rest
+                self.waiting.add(req, front=True)
+
+    def _admit_waiting(self, budget: int, chunks: dict[str, int], skipped: list[Request]) -> int:
         adapters: set | None = None
         while len(self.waiting) and budget > 0:
             req = self.waiting.peek()
@@ -187,7 +195,10 @@ class Scheduler:
                 if adapters is None:
                     adapters = self._adapters_in_batch()
                 if req.lora not in adapters and len(adapters) >= self.max_loras:
-                    break   # every adapter slot is taken by running requests: wait for one to free
+                    # Every adapter slot is taken by running requests: this one waits for a slot
+                    # to free, the requests behind it go on (as vLLM's scheduler does).
+                    skipped.append(self.waiting.pop())
+                    continue
             swapped = self.kv.is_swapped(req)
             hits: list[CachedBlock] = []
             if swapped:

@@ -482,3 +482,31 @@ def test_warm_up_puts_every_row_on_a_slot(lora_llm):
         lora.warm = False
     lora.set_step(None, torch.from_numpy, 5)
     assert lora.segments is None
+
+
+def test_stats_and_vllm_lora_info_gauge(tiny_model, adapters, tiny_llm_factory, no_block_leaks):
+    """vLLM's lora_requests_info: max_lora, and the adapters of waiting and running requests as
+    comma-separated labels."""
+    from prometheus_client import generate_latest
+
+    from gpu_worker.llm import LLM
+    from gpu_worker.metrics import WorkerMetrics
+    llm = LLM(tiny_model, device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8,
+              lora_modules={"a": adapters["a"], "b": adapters["b"]})
+    e = llm.engine
+    for i, name in enumerate(("b", "a", "")):
+        e.add_request(f"r{i}", PROMPTS[i], GREEDY, adapter=name)
+    st = e.stats()
+    assert (st.max_lora, st.running_lora_adapters, st.waiting_lora_adapters) == (1, (), ("a", "b"))
+    e.step()        # one slot: b runs (first in); a waits, and the base request behind it runs beside b
+    st = e.stats()
+    assert (st.running_lora_adapters, st.waiting_lora_adapters, st.running) == (("b",), ("a",), 2)
+    text = generate_latest(WorkerMetrics(e.stats, "m", "vllm").registry).decode()
+    assert 'vllm:lora_requests_info{engine="0",max_lora="1",model_name="m",running_lora_adapters="b",' \
+           'waiting_lora_adapters="a"}' in text
+    e.abort_request(["r0", "r1", "r2"])
+    while e.has_unfinished_requests():
+        e.step()
+    assert (e.stats().running_lora_adapters, e.stats().waiting_lora_adapters) == ((), ())
+    plain = tiny_llm_factory().engine
+    assert "lora_requests_info" not in generate_latest(WorkerMetrics(plain.stats, "m", "vllm").registry).decode()
