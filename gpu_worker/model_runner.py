@@ -7,6 +7,7 @@ logits are computed only for rows that end a request's known tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -131,10 +132,10 @@ class ModelRunner:
         self.num_layers = len(self.model.attention_layers())
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # The host tier's pool (allocate_host_cache): per layer (K, V) [blocks, heads, block, dim],
-        # the device pool's storage layout, so one block is one contiguous slice on each side.
-        self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The host tier's pool (allocate_host_cache) and the stream its copies run on (CUDA).
+        self.host_pool: Optional[torch.Tensor] = None
         self.copy_stream: Any = None
+        self.copy_chunk = 1
         # Cumulative, for the copy rate the worker reports: blocks copied and the time their copies
         # took (on CUDA timed by events on the copy stream, read once they have completed).
         self.copy_seconds, self.copied_blocks = 0.0, 0
@@ -359,59 +360,69 @@ class ModelRunner:
         return n
 
     def allocate_host_cache(self, num_blocks: int) -> None:
-        """The host tier's tensors: pinned on CUDA (copies run on their own stream), a second
-        plain pool on CPU."""
+        """The host tier's pool, block-major: [blocks, 2 * layers, heads, block, dim] (K and V of
+        every layer, in the device pool's storage layout), so that one block is one contiguous
+        copy. Pinned on CUDA (copies run on their own stream); a second plain pool on CPU."""
         pin = self.device.type == "cuda"
-        shape = (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        self.host_caches = [(torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin),
-                             torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin))
-                            for _ in range(self.num_layers)] if num_blocks else []
+        shape = (num_blocks, 2 * self.num_layers, self.num_kv_heads, self.block_size, self.head_dim)
+        self.host_pool = torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin) if num_blocks else None
         self.copy_stream = torch.cuda.Stream(self.device) if pin and num_blocks else None
+        # Blocks per batched copy: bounds the device staging buffer (outside the KV budget).
+        per_block = 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * \
+            torch.empty(0, dtype=self.kv_dtype).element_size()
+        self.copy_chunk = max(1, (64 << 20) // per_block)
 
-    def _device_stores(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # new_kv_cache's view is [blocks, block, heads, dim] over [blocks, heads, block, dim].
-        return [(k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)) for k, v in self.kv_caches]
-
-    @staticmethod
-    def _bytes(t: torch.Tensor) -> torch.Tensor:
-        # fp8 has no index_copy kernel: its bytes are copied as they are.
-        return t.view(torch.uint8) if t.element_size() == 1 else t
+    def _device_stores(self) -> list[torch.Tensor]:
+        """Every layer's K then V pool as [blocks, heads, block, dim] (new_kv_cache's storage
+        under its [blocks, block, heads, dim] view), as bytes for fp8, which has no index_copy."""
+        out = []
+        for k, v in self.kv_caches:
+            for t in (k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)):
+                out.append(t.view(torch.uint8) if t.element_size() == 1 else t)
+        return out
 
     @torch.inference_mode()
     def copy_tier_blocks(self, copies: list[KVCopy]) -> None:
         """Run the queued copies between the pools, in order, before anything later on the
-        device reads or writes those blocks. CPU: done on return. CUDA: on the copy stream, after
-        the work already queued (a block copied out may be written by a step still running),
-        and the step's forward waits for them; the host never waits."""
-        if not copies:
+        device reads or writes those blocks. Per run of one direction, at most copy_chunk
+        blocks at a time: out, every layer's blocks are gathered on the device into a block-major
+        staging buffer, then each block goes to its host slot in one copy; back, each slot comes
+        into the staging buffer in one copy, then every layer's blocks are scattered from it.
+        CPU: done on return. CUDA: the same on the copy stream, after the work already queued (a
+        block copied out may be written by a step still running), the host pool pinned and the
+        host copies non-blocking; the step's forward waits for them through an event, the host
+        never does."""
+        if not copies or self.host_pool is None:
             return
         start = time.perf_counter()
         stores = self._device_stores()
-        if self.copy_stream is None:
-            for to_host, dev, host in _runs(copies):
-                d, h = torch.tensor(dev), torch.tensor(host)
-                for (dk, dv), (hk, hv) in zip(stores, self.host_caches):
-                    dk, dv, hk, hv = (self._bytes(t) for t in (dk, dv, hk, hv))
-                    if to_host:
-                        hk.index_copy_(0, h, dk.index_select(0, d))
-                        hv.index_copy_(0, h, dv.index_select(0, d))
-                    else:
-                        dk.index_copy_(0, d, hk.index_select(0, h))
-                        dv.index_copy_(0, d, hv.index_select(0, h))
-        else:
-            main = torch.cuda.current_stream(self.device)
+        host = self.host_pool.view(torch.uint8) if self.host_pool.element_size() == 1 else self.host_pool
+        cuda = self.copy_stream is not None
+        main: Any = torch.cuda.current_stream(self.device) if cuda else None
+        ctx: Any = contextlib.nullcontext()
+        if cuda:
             self.copy_stream.wait_stream(main)
             began = torch.cuda.Event(enable_timing=True)
             began.record(self.copy_stream)
-            with torch.cuda.stream(self.copy_stream):
-                for c in copies:
-                    for (dk, dv), (hk, hv) in zip(stores, self.host_caches):
-                        if c.to_host:
-                            hk[c.host_block].copy_(dk[c.device_block], non_blocking=True)
-                            hv[c.host_block].copy_(dv[c.device_block], non_blocking=True)
-                        else:
-                            dk[c.device_block].copy_(hk[c.host_block], non_blocking=True)
-                            dv[c.device_block].copy_(hv[c.host_block], non_blocking=True)
+            ctx = torch.cuda.stream(self.copy_stream)
+        # Staging buffers are made on the copy stream: the allocator reuses their memory only in
+        # that stream's order, after the copies that read them.
+        with ctx:
+            for to_host, dev, slots in _runs(copies):
+                for at in range(0, len(dev), self.copy_chunk):
+                    d = torch.tensor(dev[at:at + self.copy_chunk], dtype=torch.int64, device=self.device)
+                    part = slots[at:at + self.copy_chunk]
+                    if to_host:
+                        staging = torch.stack([t.index_select(0, d) for t in stores], dim=1)
+                        for i, h in enumerate(part):
+                            host[h].copy_(staging[i], non_blocking=cuda)
+                    else:
+                        staging = torch.empty((len(part), *host.shape[1:]), dtype=host.dtype, device=self.device)
+                        for i, h in enumerate(part):
+                            staging[i].copy_(host[h], non_blocking=cuda)
+                        for j, t in enumerate(stores):
+                            t.index_copy_(0, d, staging[:, j])
+        if cuda:
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.copy_stream)
             main.wait_event(done)

@@ -90,6 +90,7 @@ def test_swap_with_async_scheduling_equals_recompute(tiny_llm_factory):
     sp = SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY)
     llm = tiny_llm_factory("llama", num_kv_blocks=16, block_size=8, max_num_seqs=4, async_scheduling="on",
                            kv_offloading_size=HOST_64, preemption_mode="swap")
+    llm.engine.runner.copy_chunk = 2        # runs of copies split into batches of two blocks
     before = llm.engine.scheduler.num_swaps
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert llm.engine.scheduler.num_swaps > before
@@ -151,7 +152,7 @@ def test_cuda_copy_path_matches_the_cpu_twin(tiny_model):
     tier = LLM(tiny_model, kv_offloading_size=HOST_64, max_num_seqs=4, preemption_mode="swap", **kw)
     plain = LLM(tiny_model, enable_prefix_caching=False, **kw)
     runner = tier.engine.runner
-    assert runner.copy_stream is not None and runner.host_caches[0][0].is_pinned()
+    assert runner.copy_stream is not None and runner.host_pool.is_pinned()
     prefix = ids(48, 0)
     evict_prefix(tier, prefix)
     again = prefix + ids(7, 2)
