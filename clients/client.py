@@ -20,8 +20,9 @@ import asyncio
 import os
 import random
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Optional, Sequence
+from typing import AsyncGenerator, AsyncIterator, Iterator, Optional, Sequence
 
 import grpc
 
@@ -377,9 +378,11 @@ class AsyncPagodaClient(_Base):
             if route is not None:
                 started = False
                 try:
-                    async for chunk in self._direct(route, timeout):
-                        started = True
-                        yield chunk
+                    # aclosing: a caller that stops reading cancels the worker's call now.
+                    async with aclosing(self._direct(route, timeout)) as chunks:
+                        async for chunk in chunks:
+                            started = True
+                            yield chunk
                     return
                 except grpc.aio.AioRpcError as e:
                     if started or e.code() not in _FALL_BACK:
@@ -412,7 +415,7 @@ class AsyncPagodaClient(_Base):
                 return None
             raise
 
-    async def _direct(self, route: pb.RouteResponse, timeout) -> AsyncIterator[Chunk]:
+    async def _direct(self, route: pb.RouteResponse, timeout) -> AsyncGenerator[Chunk, None]:
         channel, stub, _ = self._worker_channel(route.worker_address)
         if channel.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
             try:

@@ -85,6 +85,21 @@ def test_direct_streams_from_the_worker_as_the_proxy_would(router, keyed):
     assert metric(router, "pagoda_router_decisions_total", outcome="direct") == 3 and proxied_ok(router) == before
 
 
+def test_a_direct_stream_closed_early_ends_the_request_on_the_worker(router, keyed):
+    async def run():
+        async with AsyncPagodaClient(router.address, api_key="alice-key", retries=0, direct=True) as c:
+            stream = c.generate("Tell me everything, " * 3, max_tokens=400, ignore_eos=True)
+            first = await stream.__anext__()
+            await stream.__anext__()
+            await stream.aclose()
+            return first.worker_id
+
+    worker = keyed["workers"][("da", "db").index(asyncio.run(run()))]    # started in that order
+    with PagodaClient(worker.address, api_key="router-key", retries=0) as admin:
+        wait_for(lambda: (lambda load: load.running == 0 and load.free_blocks == load.num_blocks)(admin.load()),
+                 10, "the worker to end the abandoned request")
+
+
 def test_a_grant_carries_the_tenant(router):
     with PagodaClient(router.address, api_key="alice-key", retries=0, direct=True) as alice, \
             PagodaClient(router.address, api_key="bob-key", retries=0, direct=True) as bob:
