@@ -105,14 +105,16 @@ class Completion:
 
 def build_request(prompt: str | Sequence[int] | None = None, *, messages: Optional[Sequence[dict]] = None,
                   system: Optional[str] = None, model: str = "", request_id: str = "", priority: int = 0,
-                  cache_salt: str = "", add_generation_prompt: Optional[bool] = None,
+                  cache_salt: str = "", add_generation_prompt: Optional[bool] = None, adapter: str = "",
                   **sampling) -> pb.GenerateRequest:
     """A GenerateRequest from Python values. `prompt` is text or token ids; `system` turns a text
-    prompt into a two-message chat. Sampling keywords are pagoda.v1.SamplingParams fields."""
+    prompt into a two-message chat; `adapter` names a LoRA adapter (a router also takes its name
+    as `model`). Sampling keywords are pagoda.v1.SamplingParams fields."""
     unknown = set(sampling) - _SAMPLING
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
-    req = pb.GenerateRequest(model=model, request_id=request_id, priority=priority, cache_salt=cache_salt)
+    req = pb.GenerateRequest(model=model, request_id=request_id, priority=priority, cache_salt=cache_salt,
+                             adapter=adapter)
     if isinstance(prompt, str) and (system is not None or messages is not None):
         messages = list(messages or []) + [{"role": "user", "content": prompt}]
         prompt = None
@@ -343,6 +345,15 @@ class PagodaClient(_Base):
     def drain(self, *, timeout=None, metadata=None) -> int:
         return self.admin.Drain(pb.DrainRequest(), **self._call_args(timeout, metadata)).running
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, *, timeout=None, metadata=None) -> list[str]:
+        """A worker's Admin: register a PEFT adapter; -> the adapters it serves after."""
+        req = pb.LoadLoRAAdapterRequest(lora_name=lora_name, lora_path=lora_path)
+        return list(self.admin.LoadLoRAAdapter(req, **self._call_args(timeout, metadata)).adapters)
+
+    def unload_lora_adapter(self, lora_name: str, *, timeout=None, metadata=None) -> list[str]:
+        req = pb.UnloadLoRAAdapterRequest(lora_name=lora_name)
+        return list(self.admin.UnloadLoRAAdapter(req, **self._call_args(timeout, metadata)).adapters)
+
 
 class AsyncPagodaClient(_Base):
     """asyncio client. Use as an async context manager or await close()."""
@@ -464,3 +475,11 @@ class AsyncPagodaClient(_Base):
 
     async def drain(self, *, timeout=None, metadata=None) -> int:
         return (await self.admin.Drain(pb.DrainRequest(), **self._call_args(timeout, metadata))).running
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, timeout=None, metadata=None) -> list[str]:
+        req = pb.LoadLoRAAdapterRequest(lora_name=lora_name, lora_path=lora_path)
+        return list((await self.admin.LoadLoRAAdapter(req, **self._call_args(timeout, metadata))).adapters)
+
+    async def unload_lora_adapter(self, lora_name: str, *, timeout=None, metadata=None) -> list[str]:
+        req = pb.UnloadLoRAAdapterRequest(lora_name=lora_name)
+        return list((await self.admin.UnloadLoRAAdapter(req, **self._call_args(timeout, metadata))).adapters)

@@ -300,6 +300,14 @@ def test_worker_serves_adapters_and_loads_them_at_run_time(start_worker, tiny_mo
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
         assert ask(2, "b") == references["b"][2]     # the worker carries on
 
+    from clients import PagodaClient
+    with PagodaClient(w.address, retries=0) as client:     # the client library's side of the same
+        assert client.load_lora_adapter("c", adapters["a"]) == ["b", "c"]
+        got = [t for chunk in client.generate(PROMPTS[1], adapter="c", max_tokens=GREEDY.max_tokens, temperature=0.0,
+                                              ignore_eos=True) for t in chunk.token_ids]
+        assert got == references["a"][1]
+        assert client.unload_lora_adapter("c") == ["b"] and list(client.load().lora_adapters) == ["b"]
+
 
 def test_worker_flags_are_in_help_and_bad_ones_refused(tiny_model, adapters):
     from gpu_worker.args import build_parser, engine_config_kwargs
