@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kernels.reference import LoRASegments, lora_expand_ref, lora_segments, lora_shrink_ref
+from protos.redis_schema import MAX_ADAPTER_NAME
 
 # HF projection -> (our module attribute, the fused projection it is part of, its slice index).
 TARGETS = {"q_proj": ("lora_qkv", 0), "k_proj": ("lora_qkv", 1), "v_proj": ("lora_qkv", 2),
@@ -197,6 +198,13 @@ class LoRAManager:
     # ---- registry (host) -----------------------------------------------------------------
 
     def add(self, adapter: LoRAAdapter) -> None:
+        name = adapter.name
+        # Bounded as the lease bounds the names it carries (protos.redis_schema), which a longer
+        # one would make routers refuse whole.
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_ADAPTER_NAME or not name.isprintable() \
+                or name != name.strip():
+            raise ValueError(f"lora_name: must be 1 to {MAX_ADAPTER_NAME} printable characters without "
+                             f"surrounding spaces (got {name!r:.80})")
         if adapter.name in self.adapters:
             raise ValueError(f"lora_name: adapter {adapter.name!r} is already loaded")
         self._registrations += 1

@@ -212,6 +212,9 @@ def test_unload_and_load_again_at_run_time(tiny_model, adapters, references, no_
         llm.engine.load_lora_adapter("x", adapters["a"])
     with pytest.raises(ValueError, match="lora_name: no adapter 'y'"):
         llm.engine.unload_lora_adapter("y")
+    for bad in ("x" * 257, " y", "a\nb"):
+        with pytest.raises(ValueError, match="lora_name: must be 1 to 256 printable"):
+            llm.engine.load_lora_adapter(bad, adapters["a"])
 
 
 # ---- refusals --------------------------------------------------------------------------------
