@@ -33,7 +33,7 @@ def _shrink_kernel(x, a, h, order, seg_start, seg_slot, stride_x, stride_as, str
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < end
         rows = tl.load(order + offs_m, mask=m_ok, other=0).to(tl.int64)
-        offs_r = tl.arange(0, BLOCK_R)
+        offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = offs_r < R
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -62,14 +62,17 @@ def _expand_kernel(h, b, y, order, seg_start, seg_slot, stride_h, stride_bs, str
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < end
         rows = tl.load(order + offs_m, mask=m_ok, other=0).to(tl.int64)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < R
         offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        ht = tl.load(h + rows[:, None] * stride_h + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        bt = tl.load(b + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
-                     mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        delta = tl.dot(ht, bt, input_precision="ieee")
+        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):         # large ranks (fused slices stack theirs) in chunks
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < R
+            ht = tl.load(h + rows[:, None] * stride_h + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :],
+                         other=0.0)
+            bt = tl.load(b + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
+                         mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            delta += tl.dot(ht, bt, input_precision="ieee")
         ptr = y + rows[:, None] * stride_y + offset + offs_n[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
         old = tl.load(ptr, mask=mask, other=0.0)
@@ -81,8 +84,9 @@ def _check(name: str, t: torch.Tensor, dims: int) -> None:
         raise ValueError(f"{name}: expected {dims} dimensions with a contiguous last one (got {tuple(t.shape)})")
 
 
-def _block(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
+def _block(n: int, floor: int = 16, cap: int = 64) -> int:
+    """A power-of-two tile for n, at least `floor` (tl.dot's minimum), at most `cap` (registers)."""
+    return min(cap, max(floor, triton.next_power_of_2(n)))
 
 
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, seg: LoRASegments) -> torch.Tensor:
@@ -96,11 +100,11 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, seg: LoRASegments) -> t
     h = torch.zeros(t, r, dtype=torch.float32, device=x.device)
     groups = len(seg.host_slot)
     if groups and t:
-        grid = (groups, triton.cdiv(seg.max_seg_len, BLOCK_M))
+        block_r = _block(r)
+        grid = (groups, triton.cdiv(seg.max_seg_len, BLOCK_M), triton.cdiv(r, block_r))
         for_tensor(_shrink_kernel, x)[grid](
             x, a, h, seg.order, seg.seg_start, seg.seg_slot, x.stride(0), a.stride(0), a.stride(1), h.stride(0),
-            k, r, BLOCK_M=BLOCK_M, BLOCK_R=_block(r), BLOCK_K=min(64, _block(k, 32)),
-            IEEE=x.dtype == torch.float32)
+            k, r, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=_block(k, 32), IEEE=x.dtype == torch.float32)
     return h
 
 
@@ -115,7 +119,7 @@ def lora_expand_triton(h: torch.Tensor, b: torch.Tensor, seg: LoRASegments, y: t
         raise ValueError(f"b: [S, {n}, {r}] does not fit h {tuple(h.shape)} and y {tuple(y.shape)} at offset {offset}")
     groups = len(seg.host_slot)
     if groups and y.shape[0]:
-        block_n = min(64, _block(n))
+        block_n = _block(n)
         grid = (groups, triton.cdiv(seg.max_seg_len, BLOCK_M), triton.cdiv(n, block_n))
         for_tensor(_expand_kernel, y)[grid](
             h, b, y, seg.order, seg.seg_start, seg.seg_slot, h.stride(0), b.stride(0), b.stride(1), y.stride(0),

@@ -38,6 +38,7 @@ def check(t, fan_in, fan_out, slots, rank, token_slots, dtype, device, offset=3,
     (13, 24, 20, 5, np.array([2, -1, 0, 0, 2, 1, -1, 2, 0, 1, 1, -1, 2])),
     (3, 40, 70, 16, np.array([1, 1, 1])),                 # one adapter, rank = the block, N over one tile
     (20, 8, 6, 3, np.array([0] * 18 + [-1, 0])),          # a group longer than BLOCK_M
+    (5, 16, 12, 80, np.array([1, 0, -1, 1, 1])),          # a rank (three stacked slices) over one R tile
 ])
 def test_kernels_equal_the_torch_twin_under_the_interpreter(t, fan_in, fan_out, rank, token_slots):
     check(t, fan_in, fan_out, 3, rank, token_slots, torch.float32, "cpu")
