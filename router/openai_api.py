@@ -478,12 +478,7 @@ class OpenAIFront:
             if ident is not None and not ident.admin:
                 raise ApiError(403, "authorization: loading and unloading LoRA adapters needs an admin key",
                                code="permission_denied")
-            try:
-                body = await request.json()
-            except ValueError as e:
-                raise ApiError(400, f"body: not valid JSON ({e})") from None
-            if not isinstance(body, dict):
-                raise ApiError(400, "body: must be a JSON object")
+            body = await _json_body(request)
             name, path, model = body.get("lora_name"), body.get("lora_path", ""), body.get("model")
             if not isinstance(name, str) or not name:
                 raise _bad("lora_name", "must be a non-empty string")

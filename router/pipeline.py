@@ -17,7 +17,7 @@ from router.channels import WorkerChannels
 from router.cluster import Cluster
 from router.errors import RouterError
 from router.metrics import RouterMetrics
-from router.prepare import Pin, Preparer
+from router.prepare import Pin, Prepared, Preparer
 from router.proxy import Proxy
 from router.scoring import Scorer
 from router.selection import Selector
@@ -42,16 +42,19 @@ class Pipeline:
         """Prepare and rank one request for caller `ident`, then -> the proxy's stream of the
         chosen worker's responses, as the bytes it sent (not started: the caller iterates it, and
         closes it to end the upstream call). A refusal here, or a failure later, is a RouterError."""
-        policy = self.select.scorer.policy
+        p, ranked = await self._decide(request, ident)
+        self.metrics.decision_seconds.labels(self.select.scorer.policy, p.model).observe(time.perf_counter() - p.arrived)
+        return self.proxy.stream(p, ranked, timeout)
+
+    async def _decide(self, request: pb.GenerateRequest, ident: Identity | None) -> tuple[Prepared, list]:
+        """Prepare, then rank the candidates (best first); a refusal counts as a rejected decision."""
         try:
             p = await self.prepare.prepare(request, ident)
-            ranked = self.select.rank(p.model, p.workers, p.prompt_len, p.hashes, p.upstream.sampling.max_tokens,
-                                      adapter=p.upstream.adapter)
+            return p, self.select.rank(p.model, p.workers, p.prompt_len, p.hashes, p.upstream.sampling.max_tokens,
+                                       adapter=p.upstream.adapter)
         except RouterError:
-            self.metrics.decisions.labels(policy, "rejected").inc()
+            self.metrics.decisions.labels(self.select.scorer.policy, "rejected").inc()
             raise
-        self.metrics.decision_seconds.labels(policy, p.model).observe(time.perf_counter() - p.arrived)
-        return self.proxy.stream(p, ranked, timeout)
 
     async def route(self, request: pb.GenerateRequest, ident: Identity | None = None) -> pb.RouteResponse:
         """Direct mode: prepare and rank as open() does, credit the best worker as the proxy
@@ -62,13 +65,7 @@ class Pipeline:
                               "direct mode: this router has no --worker-api-key-file to sign grants with; "
                               "use Generate")
         policy = self.select.scorer.policy
-        try:
-            p = await self.prepare.prepare(request, ident)
-            ranked = self.select.rank(p.model, p.workers, p.prompt_len, p.hashes, p.upstream.sampling.max_tokens,
-                                      adapter=p.upstream.adapter)
-        except RouterError:
-            self.metrics.decisions.labels(policy, "rejected").inc()
-            raise
+        p, ranked = await self._decide(request, ident)
         choice = ranked[0]
         self.select.claim(choice, p.key, p.prompt_len, p.hashes, direct=True)
         self.metrics.decision_seconds.labels(policy, p.model).observe(time.perf_counter() - p.arrived)
