@@ -521,3 +521,32 @@ def test_stats_and_vllm_lora_info_gauge(tiny_model, adapters, tiny_llm_factory, 
     assert (e.stats().running_lora_adapters, e.stats().waiting_lora_adapters) == ((), ())
     plain = tiny_llm_factory().engine
     assert "lora_requests_info" not in generate_latest(WorkerMetrics(plain.stats, "m", "vllm").registry).decode()
+
+
+@pytest.mark.slow
+def test_router_lora_admin_needs_an_admin_key(redis_server, start_router, tmp_path):
+    import urllib.error
+    import urllib.request
+
+    from clients.up import free_port
+    keys = tmp_path / "keys"
+    keys.write_text("alice-key alice\nops-key ops admin\n")
+    port = free_port()
+    start_router(redis_server.url, http_port=port, api_keys_file=str(keys))
+    url = f"http://127.0.0.1:{port}/v1/load_lora_adapter"
+
+    def post(key):
+        req = urllib.request.Request(url, data=json.dumps({"lora_name": "a", "lora_path": "/x"}).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {key}"} if key else {})})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    assert post(None)[0] == 401
+    status, text = post("alice-key")
+    assert status == 403 and "admin key" in text
+    status, text = post("ops-key")            # past the key check: no worker to load it on
+    assert status == 503 and "lora_name: no live worker" in text
