@@ -28,6 +28,7 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="localhost:50050", help="router or worker HOST:PORT")
     p.add_argument("--model", default="", help="served model name (default: the target's only model)")
     p.add_argument("--system", default=None, help="system message: sends the prompt as a chat")
+    p.add_argument("--adapter", default="", help="LoRA adapter to generate with (a router also takes its name as --model)")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -79,7 +80,8 @@ def run_generate(argv: list[str]) -> int:
     try:
         with PagodaClient(a.target, tls=a.tls, root_certificates=root, private_key=key, certificate_chain=cert,
                           metadata=metadata, api_key=a.api_key, direct=a.direct) as client:
-            for c in client.generate(a.prompt, system=a.system, model=a.model, timeout=a.timeout, **sampling):
+            for c in client.generate(a.prompt, system=a.system, model=a.model, adapter=a.adapter, timeout=a.timeout,
+                                     **sampling):
                 if a.json:
                     print(_chunk_json(c), flush=True)
                 else:

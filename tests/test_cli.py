@@ -58,6 +58,8 @@ def test_generate_text_and_json_against_a_worker(tiny_worker):
     assert r2.returncode == 0 and r2.stdout == text + "\n"
     r3 = pagoda("generate", "--target", w.address, "hi", "--system", "Be brief.", "--max-tokens", "0")
     assert r3.returncode == 1 and "INVALID_ARGUMENT" in r3.stderr and "max_tokens" in r3.stderr
+    r4 = pagoda("generate", "--target", w.address, "hi", "--adapter", "sql-lora", "--max-tokens", "2")
+    assert r4.returncode == 1 and "adapter: this worker serves no adapters" in r4.stderr
 
 
 @pytest.mark.slow
