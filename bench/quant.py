@@ -2,7 +2,8 @@
 
 CPU (default): the benchmark Llama (bench/common.py: 8 layers, hidden 512, fp32) unquantized,
 with --quantization fp8 at load, and as pre-quantized checkpoints written by gpu_worker.tiny_quant
-(compressed-tensors fp8 per channel, vLLM fp8 with 128x128 blocks, GPTQ and AWQ int4, group 128).
+(compressed-tensors fp8 per channel, vLLM fp8 with 128x128 blocks, GPTQ, AWQ and compressed-tensors
+int4, group 128).
 Every variant loads once; then rounds alternate the variants, each decoding the same greedy batch
 (--batch prompts, --tokens new tokens each), timed in process CPU time (/proc, robust on a shared
 machine) and wall time. Reported: weight bytes (as the worker logs them), decode tok/s per CPU
@@ -37,6 +38,7 @@ VARIANTS = {
     "fp8 block 128x128": ("fp8", {"block": (128, 128)}, None),
     "gptq int4 g128": ("gptq", {"group_size": 128}, None),
     "awq int4 g128": ("awq", {"group_size": 128}, None),
+    "compressed-tensors int4 g128": ("compressed-tensors-w4a16", {"group_size": 128}, None),
 }
 
 

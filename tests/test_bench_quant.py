@@ -18,7 +18,7 @@ def test_quant_bench_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["weights"]: r for r in table_rows(proc.stdout, "weights")}
     assert set(rows) == {"none", "fp8 (at load)", "compressed-tensors fp8 channel", "fp8 block 128x128",
-                         "gptq int4 g128", "awq int4 g128"}
+                         "gptq int4 g128", "awq int4 g128", "compressed-tensors int4 g128"}
     assert rows["none"]["bytes x none"] == "1.000" and rows["none"]["tok/s x none"] == "1.00"
     for name, r in rows.items():
         assert float(r["decode tok/s (CPU s)"]) > 0
