@@ -124,9 +124,9 @@ def gpu_bench(args) -> None:
     for name, (k, outs) in shapes.items():
         n = sum(outs)
         w = torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
-        a = [torch.randn(slots, r, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02 for _ in outs]
-        b = [torch.randn(slots, o, r, device=dev, generator=g, dtype=torch.bfloat16) * 0.02 for o in outs]
-        offsets = np.cumsum([0] + outs[:-1]).tolist()
+        # As gpu_worker.lora.LoRAProjection holds them: the slices' A stacked, their B block-diagonal.
+        a = torch.randn(slots, len(outs) * r, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
+        b = torch.randn(slots, n, len(outs) * r, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
         for m in (1, 16, 256):
             x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
             segs = [lora_segments(np.zeros(m, np.int64), lambda t: torch.from_numpy(t).to(dev)),
@@ -134,8 +134,7 @@ def gpu_bench(args) -> None:
 
             def with_lora(seg):
                 y = F.linear(x, w)
-                for ai, bi, off in zip(a, b, offsets):
-                    lora_expand_triton(lora_shrink_triton(x, ai, seg), bi, seg, y, off)
+                lora_expand_triton(lora_shrink_triton(x, a, seg), b, seg, y, 0)
                 return y
 
             t0 = timed(lambda: F.linear(x, w))
