@@ -15,8 +15,11 @@ batch uses. Loading a slot zeroes all of it first, so nothing of its previous ad
 (a projection the new adapter does not target contributes exactly zero). The scheduler admits at
 most --max-loras distinct adapters into the batch, so a slot is always there.
 
-Fused projections (q/k/v, gate/up) keep one A and B per HF projection and expand into their
-column slice of the fused output. The engine thread alone calls into a manager.
+Fused projections (q/k/v, gate/up) stack their slices' A matrices and lay their B matrices out
+block-diagonally (LoRAProjection), so each projection is one shrink and one expand whatever the
+adapter mix. Adapters never share cached blocks with the base model or with each other: the
+adapter is part of the block-hash namespace (LoRAAdapter.cache_key). The engine thread alone
+calls into a manager.
 """
 from __future__ import annotations
 
