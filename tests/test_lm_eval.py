@@ -10,12 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -25,7 +22,8 @@ pytest.importorskip("lm_eval")
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.plugins.up import pagoda_up  # noqa: E402
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 MC = [("What colour is the sky?", [" blue", " green", " red"], 0),
@@ -128,32 +126,8 @@ def generation_tokens(metrics_url: str) -> float:
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
     """`pagoda up` with one CPU worker on the tiny model: (OpenAI base URL, worker metrics URL)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "clients.up", "--workers", "1", "--port", "0",
-                             "--device", "cpu", "--num-kv-blocks", "128", "--model", tiny_model,
-                             "--cache-dir", str(tmp_path_factory.mktemp("up"))],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 240
-        while not any("OpenAI HTTP at" in x for x in lines) and time.monotonic() < deadline:
-            line = proc.stdout.readline()     # type: ignore[union-attr]
-            if not line:
-                break
-            lines.append(line)
-        out = "".join(lines)
-        base = re.search(r"OpenAI HTTP at (http://\S+)", out)
-        metrics = re.search(r"metrics at (http://\S+/metrics)", out)
-        assert base and metrics, out
-        yield base.group(1).removesuffix("/v1"), metrics.group(1)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with pagoda_up(tiny_model, tmp_path_factory.mktemp("up")) as urls:
+        yield urls
 
 
 def test_lm_eval_loglikelihood_and_generate_until(cluster, tiny_model, tmp_path):
