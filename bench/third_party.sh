@@ -3,15 +3,17 @@
 # one after another, the worker's token counters read before and after each (issue 24; results in
 # bench/RESULTS.md, "Third-party tools"). Each tool lives in a venv of its own under $VENVS
 # (python3 -m venv $VENVS/TOOL && $VENVS/TOOL/bin/pip install TOOL; inference-perf needs Python 3.12);
-# this script installs nothing.
+# this script installs nothing. guidellm is also in the test extra (tests/test_guidellm.py): without
+# $VENVS/guidellm the one on PATH runs.
 # usage: bench/third_party.sh HTTP_BASE WORKER_METRICS_URL MODEL_DIR OUT_DIR
 #   e.g. bench/third_party.sh http://127.0.0.1:43161 http://127.0.0.1:34201/metrics ~/.cache/pagoda/tiny-llama /tmp/tp
 set -u
 HTTP=$1; METRICS=$2; MODEL_DIR=$3; OUT=$4
 mkdir -p $OUT
 counters() { curl -s $METRICS | grep -E '^pagoda:(prompt_tokens_total|prompt_tokens_cached_total|generation_tokens_total)' | awk '{printf "%s=%s ", $1, $2}'; echo; }
+GUIDELLM=${VENVS:-/work/venvs}/guidellm/bin/guidellm; [ -x "$GUIDELLM" ] || GUIDELLM=guidellm
 echo "== guidellm"; counters
-HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 ${VENVS:-/work/venvs}/guidellm/bin/guidellm run --backend kind=openai_http,target=$HTTP,model=tiny-llama \
+HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $GUIDELLM run --backend kind=openai_http,target=$HTTP,model=tiny-llama \
   --profile kind=constant,rate=2 --constraint kind=max_requests,count=20 --tokenizer kind=hf_auto,model=$MODEL_DIR \
   --data kind=synthetic_text,prompt_tokens=64,output_tokens=32 --output kind=json,path=$OUT/guidellm.json \
   --disable-console-interactive > $OUT/guidellm.log 2>&1; echo "rc=$?"; counters
