@@ -1,6 +1,7 @@
 """bench/gpu_check.sh, checked without a GPU: --dry-run walks every part and runs the e2e harness
 at a tiny shape on the CPU; --vendor gathers what the GPU host lacks (pytest, llguidance)."""
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -32,3 +33,13 @@ def test_vendor_gathers_the_packages_the_gpu_host_lacks(tmp_path):
     names = set(os.listdir(vendor))
     assert {"pytest", "_pytest", "pluggy", "llguidance", "pytest_timeout.py"} <= names
     assert any(n.startswith("pytest_timeout-") and n.endswith(".dist-info") for n in names), "entry points lost"
+
+
+def test_the_parts_fit_one_device_command():
+    # The device runs one command for at most 600 s out of 15 minutes a session, start-up included:
+    # the parts' limits (a part named twice is the --dry-run branch, then the real one) stay <= 480 s.
+    limits = {}
+    for name, limit in re.findall(r"^\s*part (\S+) (\d+) ", (ROOT / "bench" / "gpu_check.sh").read_text(), re.M):
+        limits[name] = int(limit)
+    assert set(limits) == {"gpu_tests", "kernels", "e2e", "quant", "lora", "kv_tier"}
+    assert sum(limits.values()) <= 480, limits
