@@ -147,7 +147,7 @@ def gpu_bench(args) -> None:
         shapes = {"qkv": (256, 128)}
     g = torch.Generator(device=dev).manual_seed(0)
 
-    def timed(fn, reps=20):
+    def timed(fn, reps=10):     # few: gpu_check gives this part 35 s, most of it Triton compiles
         if args.dry_run:
             t0 = time.perf_counter()
             fn()
