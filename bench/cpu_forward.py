@@ -8,9 +8,12 @@ to other load) and wall ms per step, mean over --reps steps after a warm-up; the
 average beside each.
 
 Variants (--variants, default all):
-    spin     OMP_WAIT_POLICY=ACTIVE: idle OpenMP threads spin (what a process that set it gets)
-    default  libgomp's own default (spins a while, then sleeps): what torch gives without pagoda
-    passive  OMP_WAIT_POLICY=PASSIVE: what gpu_worker sets before torch loads (the default now)
+    spin         OMP_WAIT_POLICY=ACTIVE: idle OpenMP threads spin; linears through F.linear (MKL)
+    default      libgomp's own wait policy (spins a while, then sleeps), F.linear: pagoda until
+                 2026-12-03
+    passive-mkl  OMP_WAIT_POLICY=PASSIVE (what gpu_worker sets before torch loads), F.linear
+    passive      PASSIVE and fp32 linears through oneDNN (gpu_worker.models.parallel.dense_linear):
+                 pagoda's defaults now
 
     python bench/cpu_forward.py                 # 2 threads, batch 64 x 350, prefill 2048
     python bench/cpu_forward.py --quick         # smoke run
@@ -25,8 +28,10 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = {"spin": {"OMP_WAIT_POLICY": "ACTIVE"}, "default": {"OMP_WAIT_POLICY": None},
-            "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+MKL = {"PAGODA_CPU_GEMM": "torch"}
+VARIANTS = {"spin": {"OMP_WAIT_POLICY": "ACTIVE", **MKL}, "default": {"OMP_WAIT_POLICY": None, **MKL},
+            "passive-mkl": {"OMP_WAIT_POLICY": "PASSIVE", **MKL},
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE", "PAGODA_CPU_GEMM": "onednn"}}
 
 
 def child(args) -> None:

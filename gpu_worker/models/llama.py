@@ -20,6 +20,7 @@ from torch import nn
 
 from gpu_worker.attention import AttentionMetadata, PagedAttention
 from gpu_worker.models.parallel import (
+    Linear,
     RowParallelLinear,
     VocabParallelEmbedding,
     current_shard,
@@ -138,7 +139,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
                                         bias=bool(getattr(cfg, "attention_bias", False)))
         self.qk_norm = cfg.model_type == "qwen3"
@@ -176,7 +177,7 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act: only silu is supported (got {cfg.hidden_act!r})")
         self.intermediate = cfg.intermediate_size // current_shard().size     # this rank's slice
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.lora_gate_up = self.lora_down = None      # as Attention's
 
@@ -227,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // self.shard.size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size // self.shard.size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,83 @@
+"""The CPU forward's process-wide settings: OpenMP threads of a worker process sleep while they
+wait (gpu_worker/__init__.py: on a CPU shared with other processes, spinning threads cost several
+times the CPU of the work itself), and fp32 linears go through oneDNN (models/parallel.py)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A parallel torch op on two threads, then the main thread sleeps: CPU seconds spent meanwhile.
+PROBE = """
+import os, sys, time
+{first}
+import torch
+torch.set_num_threads(2)
+x = torch.randn(2048, 2048)
+for _ in range(3):
+    x @ x
+t = time.process_time()
+time.sleep(0.5)
+print(os.environ.get("OMP_WAIT_POLICY"), time.process_time() - t)
+"""
+
+
+def probe(first: str, **env) -> tuple[str, float]:
+    out = subprocess.run([sys.executable, "-c", PROBE.format(first=first)], capture_output=True, text=True,
+                         check=True, cwd=ROOT, timeout=120,
+                         env={k: v for k, v in {**os.environ, **env}.items() if v is not None})
+    policy, cpu = out.stdout.split()
+    return policy, float(cpu)
+
+
+def test_waiting_threads_sleep():
+    policy, idle_cpu = probe("import gpu_worker", OMP_WAIT_POLICY=None)
+    assert policy == "PASSIVE" and idle_cpu < 0.02
+
+
+def test_own_policy_kept():
+    # ACTIVE keeps the other thread spinning through the main thread's sleep.
+    policy, idle_cpu = probe("import gpu_worker", OMP_WAIT_POLICY="ACTIVE")
+    assert policy == "ACTIVE" and idle_cpu > 0.05
+
+
+def test_torch_first_left_alone():
+    # Too late to change OpenMP once torch is loaded: the environment is not touched.
+    policy, _ = probe("import torch\nimport gpu_worker", OMP_WAIT_POLICY=None)
+    assert policy == "None"
+
+
+def test_dense_linear_matches_f_linear():
+    from gpu_worker.models.parallel import _ONEDNN, dense_linear
+    assert _ONEDNN     # the PyPI CPU build has oneDNN: the fast path is what runs here
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(300, 96, generator=g), torch.randn(300, generator=g)
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 96, generator=g)
+        with torch.inference_mode():
+            torch.testing.assert_close(dense_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(dense_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    # Autograd recording, or 3-D input: F.linear itself.
+    x = torch.randn(2, 3, 96, generator=g)
+    assert torch.equal(dense_linear(x, w), F.linear(x, w))
+    wg = w.clone().requires_grad_()
+    dense_linear(x[0], wg).sum().backward()
+    assert wg.grad is not None
+
+
+def test_cpu_gemm_flag_checked():
+    out = subprocess.run([sys.executable, "-c", "import gpu_worker.models.parallel"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120, env={**os.environ, "PAGODA_CPU_GEMM": "mkl"})
+    assert out.returncode != 0 and "PAGODA_CPU_GEMM: must be onednn or torch (got 'mkl')" in out.stderr
+
+
+@pytest.mark.parametrize("gemm", ["torch", "onednn"])
+def test_cpu_gemm_choice(gemm):
+    out = subprocess.run([sys.executable, "-c", "from gpu_worker.models.parallel import _ONEDNN; print(_ONEDNN)"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "PAGODA_CPU_GEMM": gemm}, check=True)
+    assert out.stdout.strip() == str(gemm == "onednn")
