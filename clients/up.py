@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.serving import PARENT_PID_ENV
+from protos.lifetime import PARENT_PID_ENV
 
 DEFAULT_CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
 

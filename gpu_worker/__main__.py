@@ -5,7 +5,7 @@ import os
 import sys
 
 from gpu_worker.args import build_parser
-from protos.serving import die_with_parent
+from protos.lifetime import die_with_parent
 
 
 def main(argv=None) -> int:

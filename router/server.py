@@ -20,11 +20,12 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import serving
 from protos.heap import freeze_heap
+from protos.lifetime import die_with_parent
 from protos.limits import Limits
 from protos.metrics_http import start_metrics_server
 from protos.pagoda.v1 import pagoda_pb2 as pb
 from protos.security import AuthInterceptor, GrantSigner, KeyRing, channel_credentials, read_key, server_credentials
-from protos.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, die_with_parent, server_options
+from protos.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
 from router.channels import WorkerChannels
 from router.cluster import Cluster
 from router.grpc_front import RouterService, add_to_server

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from types import SimpleNamespace
 
 from tests.plugins.helm import EVERYTHING, find, render
 
@@ -17,15 +16,15 @@ def dashboard(values) -> dict | None:
 def exported_names() -> set[str]:
     """Every series name a router and a worker (with either prefix) export, suffixes included."""
     from gpu_worker.metrics import WorkerMetrics
+    from gpu_worker.outputs import EngineStats
     from router.cluster import Cluster
     from router.index import BlockIndex
     from router.metrics import RouterMetrics
-
-    stats = SimpleNamespace(running=0, waiting=0, kv_usage=0.0, num_blocks=1, free_blocks=1, preemptions=0,
-                            prefix_cache_queries=0, prefix_cache_hits=0, prompt_tokens=0, generation_tokens=0,
-                            request_prompt_tokens=0, request_cached_tokens=0,
-                            spec_num_drafts=0, spec_num_draft_tokens=0, spec_num_accepted_tokens=0,
-                            spec_accepted_per_pos=(0,))
+    # Every optional part on (speculation, a host KV tier, multi-LoRA), so that all series show.
+    stats = EngineStats(running=0, waiting=0, queued_prefill_tokens=0, num_blocks=1, free_blocks=1, kv_usage=0.0,
+                        prefix_cache_queries=0, prefix_cache_hits=0, preemptions=0, prompt_tokens=0,
+                        generation_tokens=0, tokens_stored=0, blocks_held=0, block_size=16,
+                        spec_num_drafts=0, spec_accepted_per_pos=(0,), host_blocks=1, max_lora=1)
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"], "gauge": [""]}
     names = set()
     for registry in [RouterMetrics(Cluster("redis://127.0.0.1:1", BlockIndex()), BlockIndex()).registry] + \

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from protos.serving import PARENT_PID_ENV
+from protos.lifetime import PARENT_PID_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 _LISTEN = re.compile(r"listening on [^\s]+:(\d+)")

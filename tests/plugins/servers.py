@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from protos.serving import PARENT_PID_ENV
+from protos.lifetime import PARENT_PID_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 _LISTEN = re.compile(r"listening on [^\s]+:(\d+)")
