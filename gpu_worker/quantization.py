@@ -40,11 +40,11 @@ import torch
 from torch import nn
 
 from gpu_worker.config import QUANTIZATION_METHODS as METHODS
+from gpu_worker.models.parallel import dense_linear
 from kernels.fp8 import FP8_DTYPE
 from kernels.quant_ref import (
+    dequantize_fp8_weight,
     dequantize_int4_weight,
-    fp8_linear_ref,
-    int4_linear_ref,
     pack_int4_rows,
     quantize_fp8_per_channel,
     quantize_fp8_per_token,
@@ -374,7 +374,8 @@ class Fp8Linear(QuantLinear):
                 return fp8_scaled_mm(x, self.weight, self.weight_scale, self.input_scale)
             from kernels.triton_quant import fp8_matmul_triton  # triton loads only when used
             return fp8_matmul_triton(x, self.weight, self.weight_scale, self.cfg.block)
-        return fp8_linear_ref(x, self.weight, self.weight_scale, None, self.cfg.block)
+        # The model's own GEMM on the dequantized weight, so logits equal the dequantized model's.
+        return dense_linear(x, dequantize_fp8_weight(self.weight, self.weight_scale, self.cfg.block, x.dtype))
 
 
 def _scaled_mm_ok(x: torch.Tensor, n: int, k: int) -> bool:
@@ -518,7 +519,7 @@ class Int4Linear(QuantLinear):
         if x.is_cuda:
             from kernels.triton_quant import int4_matmul_triton  # triton loads only when used
             return int4_matmul_triton(x, self.qweight, self.zeros, self.scales, self.g_idx)
-        return int4_linear_ref(x, self.qweight, self.zeros, self.scales, self.g_idx, None)
+        return dense_linear(x, self.dequantized(x.dtype))     # the model's own GEMM, as Fp8Linear's
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int4_weight(self.qweight, self.zeros, self.scales, self.g_idx, dtype)
