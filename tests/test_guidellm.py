@@ -8,6 +8,7 @@ by request, and the worker's own counters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -68,9 +69,12 @@ class StreamRelay:
             async for chunk in r.content.iter_any():
                 data += chunk
                 await out.write(chunk)
-            await out.write_eof()
+        # Recorded once the server's whole answer has passed: guidellm may hang up as soon as it has
+        # read [DONE], before the chunked body's terminator goes out (seen on a busy machine).
         self.records.append((request.method, request.path, json.loads(body) if body else None, r.status,
                              data.decode()))
+        with contextlib.suppress(ConnectionResetError):
+            await out.write_eof()
         return out
 
     def close(self) -> None:
