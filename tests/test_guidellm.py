@@ -7,79 +7,23 @@ by request, and the worker's own counters.
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import threading
 import urllib.request
 
 import pytest
 
 pytest.importorskip("guidellm")
 aiohttp = pytest.importorskip("aiohttp")
-from aiohttp import web  # noqa: E402
 
+from tests.plugins.relay import RecordingRelay  # noqa: E402
 from tests.plugins.up import pagoda_up  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 4, 24, 8
-
-
-class StreamRelay:
-    """An HTTP relay on loopback that forwards to the router, streams the answer through as it comes
-    and records (path, request body, status, whole response text)."""
-
-    def __init__(self, upstream: str):
-        self.upstream, self.records = upstream, []
-        self.loop = asyncio.new_event_loop()
-        self.port = 0
-        started = threading.Event()
-        threading.Thread(target=self._run, args=(started,), daemon=True).start()
-        assert started.wait(10)
-
-    def _run(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        app = web.Application(client_max_size=64 * 2**20)
-        app.router.add_route("*", "/{tail:.*}", self._forward)
-        runner = web.AppRunner(app, access_log=None)
-        self.loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]    # type: ignore[union-attr]
-        self.session = self.loop.run_until_complete(self._session())
-        started.set()
-        self.loop.run_forever()
-
-    @staticmethod
-    async def _session():
-        return aiohttp.ClientSession()
-
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-        async with self.session.request(request.method, self.upstream + request.path_qs, data=body,
-                                        headers=headers) as r:
-            out = web.StreamResponse(status=r.status, headers={"Content-Type": r.headers.get("Content-Type", "")})
-            await out.prepare(request)
-            data = b""
-            async for chunk in r.content.iter_any():
-                data += chunk
-                await out.write(chunk)
-        # Recorded once the server's whole answer has passed: guidellm may hang up as soon as it has
-        # read [DONE], before the chunked body's terminator goes out (seen on a busy machine).
-        self.records.append((request.method, request.path, json.loads(body) if body else None, r.status,
-                             data.decode()))
-        with contextlib.suppress(ConnectionResetError):
-            await out.write_eof()
-        return out
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.session.close(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def counters(metrics_url: str) -> dict[str, float]:
@@ -107,7 +51,7 @@ def cluster(tiny_model, tmp_path_factory):
 def test_guidellm_synchronous_chat(cluster, tiny_model, tmp_path):
     base, metrics_url = cluster
     model = json.load(urllib.request.urlopen(base + "/v1/models", timeout=10))["data"][0]["id"]
-    relay = StreamRelay(base)
+    relay = RecordingRelay(base)
     before = counters(metrics_url)
     out = tmp_path / "guidellm.json"
     cmd = [sys.executable, "-m", "guidellm", "run", "--backend",

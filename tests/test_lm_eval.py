@@ -7,12 +7,10 @@ with the server's usage and with the worker's own counters.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -20,8 +18,8 @@ import pytest
 
 pytest.importorskip("lm_eval")
 aiohttp = pytest.importorskip("aiohttp")
-from aiohttp import web  # noqa: E402
 
+from tests.plugins.relay import RecordingRelay  # noqa: E402
 from tests.plugins.up import pagoda_up  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -76,47 +74,6 @@ def write_tasks(d: Path) -> None:
         (d / f"{name}.yaml").write_text(text)
 
 
-class Relay:
-    """An HTTP relay on loopback that forwards to the router and records (request, status, response)."""
-
-    def __init__(self, upstream: str):
-        self.upstream, self.records = upstream, []
-        self.loop = asyncio.new_event_loop()
-        self.port = 0
-        started = threading.Event()
-        threading.Thread(target=self._run, args=(started,), daemon=True).start()
-        assert started.wait(10)
-
-    def _run(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        app = web.Application(client_max_size=64 * 2**20)
-        app.router.add_route("*", "/{tail:.*}", self._forward)
-        runner = web.AppRunner(app, access_log=None)
-        self.loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]    # type: ignore[union-attr]
-        self.session = self.loop.run_until_complete(self._session())
-        started.set()
-        self.loop.run_forever()
-
-    @staticmethod
-    async def _session():
-        return aiohttp.ClientSession()
-
-    async def _forward(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        async with self.session.request(request.method, self.upstream + request.path_qs, data=body,
-                                        headers={"Content-Type": "application/json"}) as r:
-            data = await r.read()
-        self.records.append((request.path, json.loads(body) if body else None, r.status, json.loads(data)))
-        return web.Response(body=data, status=r.status, content_type="application/json")
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.session.close(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 def generation_tokens(metrics_url: str) -> float:
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -134,7 +91,7 @@ def test_lm_eval_loglikelihood_and_generate_until(cluster, tiny_model, tmp_path)
     base, metrics_url = cluster
     model = json.load(urllib.request.urlopen(base + "/v1/models", timeout=10))["data"][0]["id"]
     write_tasks(tmp_path)
-    relay = Relay(base)
+    relay = RecordingRelay(base)
     before = generation_tokens(metrics_url)
     cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
            f"model={model},base_url=http://127.0.0.1:{relay.port}/v1/completions,tokenizer={tiny_model},"
@@ -157,10 +114,11 @@ def test_lm_eval_loglikelihood_and_generate_until(cluster, tiny_model, tmp_path)
     assert results["n-samples"]["pagoda_gen"]["effective"] == len(GEN)
     assert 0 <= results["results"]["pagoda_mc"]["acc,none"] <= 1
 
-    assert relay.records and all(path == "/v1/completions" and status == 200
-                                 for path, _, status, _ in relay.records), relay.records[:3]
-    scored = [(b, r) for _, b, _, r in relay.records if b.get("echo")]
-    generated = [(b, r) for _, b, _, r in relay.records if not b.get("echo")]
+    records = [(path, body, status, json.loads(text)) for _, path, body, status, text in relay.records]
+    assert records and all(path == "/v1/completions" and status == 200
+                           for path, _, status, _ in records), records[:3]
+    scored = [(b, r) for _, b, _, r in records if b.get("echo")]
+    generated = [(b, r) for _, b, _, r in records if not b.get("echo")]
     # Loglikelihood: one prompt per choice (token ids, batched); each echoes every prompt token
     # (the first unscored) plus the one generated, and usage counts exactly what lm-eval sent.
     assert sum(len(b["prompt"]) for b, _ in scored) == sum(len(c) for _, c, _ in MC)
@@ -181,7 +139,7 @@ def test_lm_eval_loglikelihood_and_generate_until(cluster, tiny_model, tmp_path)
         assert resp["usage"]["prompt_tokens"] == sum(len(ids) for ids in body["prompt"])
         assert 0 < resp["usage"]["completion_tokens"] <= MAX_GEN_TOKS * len(body["prompt"])
     # The worker generated exactly the tokens the responses' usage reports.
-    reported = sum(r["usage"]["completion_tokens"] for _, _, _, r in relay.records)
+    reported = sum(r["usage"]["completion_tokens"] for _, _, _, r in records)
     assert generation_tokens(metrics_url) - before == reported
     # Each loglikelihood lm-eval reports is a sum of the server's scores over a continuation: the
     # scores of some echoed prompt from some token on, the generated token left out.
