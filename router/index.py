@@ -171,9 +171,20 @@ class BlockIndex:
         self._free_bits.append(bit)        # every block has lost this bit: safe to hand out again
 
     def replace_worker(self, worker: str, hashes: Iterable[bytes], host_hashes: Iterable[bytes] = ()) -> None:
+        """A snapshot: what the worker reports replaces what it was known to hold, but for its
+        speculations still pending (requests sent after the snapshot was taken, which it cannot
+        refute): they stay, with their deadlines, until a report confirms them or they expire."""
+        pending = {h: t for h, t in self._by_worker.get(worker, {}).items() if t is not None}
         self.drop_worker(worker)
         self.add(worker, hashes)
         self.add_host(worker, host_hashes)
+        if pending:
+            flag, owners, mine = self._flag(worker), self._owners, self._by_worker[worker]
+            for h, deadline in pending.items():
+                if h not in mine:
+                    owners[h] = owners.get(h, 0) | flag
+                    mine[h] = deadline
+            self._evict()
 
     def speculate(self, worker: str, hashes: Sequence[bytes], now: float | None = None) -> None:
         """Record that `worker` is about to cache `hashes` (not yet reported)."""

@@ -139,6 +139,22 @@ def test_speculation_expires_unless_confirmed():
     assert idx.overlap(h, ["a"]) == {"a": 1} and len(idx) == 1
 
 
+def test_a_snapshot_keeps_pending_speculation():
+    # A snapshot taken before a request's blocks were cached arrives after the router sent it:
+    # the speculation stands (the next request with that prefix still finds this worker) until
+    # a report confirms it or its deadline passes; what was reported and is not in it goes.
+    idx, h, old = BlockIndex(speculative_ttl_s=5), chain(3), chain(2, salt="old")
+    idx.add("a", old)
+    idx.speculate("a", h, now=100.0)
+    idx.replace_worker("a", [])                 # the snapshot holds none of them
+    assert idx.overlap(h, ["a"]) == {"a": 3} and idx.overlap(old, ["a"]) == {}
+    assert idx.speculative_blocks("a") == 3
+    idx.replace_worker("a", h[:1])              # a later one has block 0: confirmed
+    assert idx.overlap(h, ["a"]) == {"a": 3} and idx.speculative_blocks("a") == 2
+    idx.expire_speculation(now=105.0)
+    assert idx.overlap(h, ["a"]) == {"a": 1} and len(idx) == 1
+
+
 def test_namespaces_never_match_each_other():
     idx = BlockIndex()
     idx.add("a", chain(4))
