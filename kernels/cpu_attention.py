@@ -2,10 +2,9 @@
 
 kernels/csrc/paged_attention_cpu.c walks each sequence's blocks through its block table and
 never gathers a context (the reference's per-step index_select of every sequence's blocks was
-a third of a CPU decode step, bench/cpu_attention.py). It is plain C built here at first use
-with the system C compiler (about a second, cached by source, flags and CPU under
-PAGODA_KERNEL_CACHE, default ~/.cache/pagoda/kernels) and called through ctypes, which
-releases the GIL; it splits its work over torch.get_num_threads() threads.
+a third of a CPU decode step, bench/cpu_attention.py). It is part of the CPU kernels' C library
+(kernels/cpu_lib.py: built at first use, called through ctypes) and splits its work over
+torch.get_num_threads() threads of that library's pool.
 
 paged_attention_cpu has paged_attention_ref's signature and semantics (kernels/reference.py)
 and falls back to it for what the C kernel does not take: fp8 or non-fp32 caches or queries,
@@ -13,92 +12,13 @@ head_dim not a multiple of 8, non-CPU tensors, or no working C compiler (logged 
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import torch
 
+from kernels.cpu_lib import GEMV_MAX_M, QTILE, available, kernel_threads, load_library
 from kernels.reference import paged_attention_ref
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
-QTILE = 8       # query tokens per work item; must match the C source's QTILE
 MAX_D, MAX_ROWS = 256, 256
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("PAGODA_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagoda" / "kernels"
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: a cache shared between different CPUs must not mix builds."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-@functools.lru_cache(maxsize=1)
-def load_library() -> ctypes.CDLL | None:
-    """The built kernel, compiling it on first use; None (and one warning) when that fails."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        log.warning("CPU attention: no C compiler (CC, cc, gcc) found; using the torch reference")
-        return None
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), cc.encode(),
-                                     platform.machine().encode(), _cpu_id().encode()])).hexdigest()[:16]
-    path = cache_dir() / f"paged_attention_cpu-{key}.so"
-    try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Build beside the target and rename: workers starting together never load half a file.
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-            os.close(fd)
-            try:
-                subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
-                               capture_output=True, timeout=120)
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        log.warning("CPU attention: building %s with %s failed (%s %s); using the torch reference",
-                    SOURCE.name, cc, e, detail.decode(errors="replace")[-500:])
-        return None
-    fn = lib.paged_attention_cpu
-    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                   ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr, i64, i32]
-    fn.restype = ctypes.c_int
-    if lib.qtile() != QTILE:
-        raise RuntimeError(f"{SOURCE.name}: QTILE {lib.qtile()} != {QTILE} in {__name__}")
-    return lib
-
-
-def available() -> bool:
-    return load_library() is not None
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> bool:
@@ -154,7 +74,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     starts_t = query_start_loc.to(torch.int32).contiguous()
     starts_np, lens_np = starts_t.numpy().astype(np.int64), lens_t.numpy().astype(np.int64)
     hq, hkv = q.shape[1], k_cache.shape[2]
-    threads = torch.get_num_threads()
+    threads = kernel_threads()
     if heads_per_item is None:
         tiles = int((-(-np.diff(starts_np) // QTILE)).sum())
         fits = hq * QTILE <= MAX_ROWS
@@ -167,7 +87,9 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         tables.data_ptr(), tables.stride(0), lens_t.data_ptr(), starts_t.data_ptr(),
         None if sinks_f is None else sinks_f.data_ptr(), hq, hkv, k_cache.shape[3],
         k_cache.shape[1], int(sliding_window or 0), float(scale), float(softcap or 0.0),
-        heads_per_item, items.ctypes.data, len(items), threads)
+        heads_per_item, items.ctypes.data, len(items), threads,
+        # a step of a few tokens keeps the pool's threads awake through it (cpu_lib.py)
+        int(q.shape[0] <= GEMV_MAX_M))
     if rc:
         raise RuntimeError(f"paged_attention_cpu: kernel refused the shapes (code {rc})")
     return out

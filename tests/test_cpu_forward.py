@@ -72,12 +72,14 @@ def test_dense_linear_matches_f_linear():
 def test_cpu_gemm_flag_checked():
     out = subprocess.run([sys.executable, "-c", "import gpu_worker.models.parallel"], capture_output=True,
                          text=True, cwd=ROOT, timeout=120, env={**os.environ, "PAGODA_CPU_GEMM": "mkl"})
-    assert out.returncode != 0 and "PAGODA_CPU_GEMM: must be onednn or torch (got 'mkl')" in out.stderr
+    assert out.returncode != 0 and "PAGODA_CPU_GEMM: must be one of auto, onednn, torch (got 'mkl')" in out.stderr
 
 
-@pytest.mark.parametrize("gemm", ["torch", "onednn"])
+@pytest.mark.parametrize("gemm", ["torch", "onednn", "auto", None])
 def test_cpu_gemm_choice(gemm):
-    out = subprocess.run([sys.executable, "-c", "from gpu_worker.models.parallel import _ONEDNN; print(_ONEDNN)"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env={**os.environ, "PAGODA_CPU_GEMM": gemm}, check=True)
-    assert out.stdout.strip() == str(gemm == "onednn")
+    env = {k: v for k, v in os.environ.items() if k != "PAGODA_CPU_GEMM"}
+    if gemm:
+        env["PAGODA_CPU_GEMM"] = gemm
+    out = subprocess.run([sys.executable, "-c", "from gpu_worker.models.parallel import _ONEDNN, _GEMV; print(_ONEDNN, _GEMV)"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120, env=env, check=True)
+    assert out.stdout.split() == [str(gemm != "torch"), str(gemm in ("auto", None))]

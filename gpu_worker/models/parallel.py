@@ -24,28 +24,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_gemv
+from kernels.cpu_lib import GEMV_MAX_M
 
-def _onednn_linear() -> bool:
-    """Whether fp32 CPU linears go through oneDNN (PAGODA_CPU_GEMM=onednn, the default) or
-    torch's F.linear (=torch, MKL's sgemm in the PyPI build)."""
-    choice = os.environ.get("PAGODA_CPU_GEMM", "onednn")
-    if choice not in ("onednn", "torch"):
-        raise ValueError(f"PAGODA_CPU_GEMM: must be onednn or torch (got {choice!r})")
-    return (choice == "onednn" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+CPU_GEMMS = ("auto", "onednn", "torch")
 
 
-_ONEDNN = _onednn_linear()
+def _cpu_gemm() -> str:
+    """How fp32 CPU linears are computed (PAGODA_CPU_GEMM): auto (the default) takes
+    kernels/cpu_gemv.py for 1-8 rows and oneDNN's matmul above, onednn takes oneDNN for every
+    batch, torch takes F.linear (MKL's sgemm in the PyPI build)."""
+    choice = os.environ.get("PAGODA_CPU_GEMM", "auto")
+    if choice not in CPU_GEMMS:
+        raise ValueError(f"PAGODA_CPU_GEMM: must be one of {', '.join(CPU_GEMMS)} (got {choice!r})")
+    if choice != "torch" and not (torch.backends.mkldnn.is_available()
+                                  and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return "torch"
+    return choice
+
+
+_CPU_GEMM = _cpu_gemm()
+_ONEDNN = _CPU_GEMM != "torch"
+_GEMV = _CPU_GEMM == "auto"
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through oneDNN's fp32 matmul for 2-D fp32 rows on a CPU: 1.2-1.4x less CPU
-    than MKL's sgemm at every batch size of a step here (AMD EPYC, AVX2; bench/cpu_forward.py),
-    IEEE fp32 like it (results differ from F.linear's in the last bits, as any other blocking
-    of the sum would). Anything else, or with autograd recording, is F.linear."""
+    """F.linear, for 2-D fp32 rows on a CPU through kernels/cpu_gemv.py when there are at most
+    8 of them (a decode step of a few sequences streams the weights: 1.8x faster than oneDNN at
+    one row here, bench/cpu_forward.py) and through oneDNN's fp32 matmul above (1.2-1.4x less
+    CPU than MKL's sgemm at a step's batch sizes). Both are IEEE fp32; results differ from
+    F.linear's in the last bits, as any other blocking of the sum would. Anything else, or with
+    autograd recording, is F.linear."""
     if (_ONEDNN and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+        if _GEMV and x.shape[0] <= GEMV_MAX_M and cpu_gemv.takes(x, weight, bias):
+            return cpu_gemv.small_linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

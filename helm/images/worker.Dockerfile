@@ -31,8 +31,8 @@ ENV PYTHONUNBUFFERED=1 \
     HOME=/tmp
 
 # Both need a C compiler at run time: Triton compiles a small C launcher the first time a kernel
-# runs on a GPU, and a CPU worker builds its attention kernel (kernels/cpu_attention.py, for the
-# CPU it runs on) at start; without one it serves on the slower torch reference.
+# runs on a GPU, and a CPU worker builds its C kernels (kernels/cpu_lib.py: paged attention and
+# small-batch linears, for the CPU it runs on) at start; without one it serves on torch's ops.
 RUN case "$DEVICE" in cuda|cpu) ;; *) echo "DEVICE must be cuda or cpu, not '$DEVICE'" >&2; exit 1 ;; esac \
  && apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \

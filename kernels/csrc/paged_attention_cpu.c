@@ -11,10 +11,11 @@
  * -march=native, SSE otherwise); no -ffast-math, so NaN/inf behave as in torch.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "thread_pool.h"
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -212,7 +213,9 @@ static void run_item(const Job *j, int64_t item, float *scores) {
     else run_item_d(j, item, scores, j->d);
 }
 
-static void *worker(void *arg) {
+static void attention_task(void *arg, int id, int threads) {
+    (void)id;
+    (void)threads;
     Job *j = (Job *)arg;
     float *scores = NULL;
     size_t cap = 0;
@@ -233,10 +236,10 @@ static void *worker(void *arg) {
         run_item(j, j->items[i], scores);
     }
     free(scores);
-    return NULL;
 }
 
-/* Returns 0 on success; items are (seq << 32) | (tile << 8) | kv_head, heaviest first. */
+/* Returns 0 on success; items are (seq << 32) | (tile << 8) | kv_head, heaviest first; spin:
+ * whether the pool's threads spin after this job (a small step's, see thread_pool.h). */
 int paged_attention_cpu(const float *q, int64_t q_st, int64_t q_sh,
                         float *out, int64_t o_st, int64_t o_sh,
                         const float *k, int64_t k_sb, int64_t k_st, int64_t k_sh,
@@ -245,19 +248,14 @@ int paged_attention_cpu(const float *q, int64_t q_st, int64_t q_sh,
                         const int32_t *seq_lens, const int32_t *qsl,
                         const float *sinks, int hq, int hkv, int d, int bs, int window,
                         float scale, float softcap, int heads_per_item,
-                        const int64_t *items, int64_t n_items, int threads) {
+                        const int64_t *items, int64_t n_items, int threads, int spin) {
     if (d % 8 || d > MAX_D || hq % hkv || heads_per_item < 1 || hkv % heads_per_item
         || (hq / hkv) * heads_per_item * QTILE > MAX_ROWS) return 1;
     Job j = {q, q_st, q_sh, out, o_st, o_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh,
              bt, bt_s, seq_lens, qsl, sinks, hq, hkv, d, bs, window, heads_per_item, scale, softcap,
              items, n_items, 0};
-    if (threads > 64) threads = 64;
-    pthread_t tid[64];
-    int started = 0;
-    for (int i = 1; i < threads && (int64_t)i < n_items; i++)
-        if (pthread_create(&tid[started], NULL, worker, &j) == 0) started++;
-    worker(&j);
-    for (int i = 0; i < started; i++) pthread_join(tid[i], NULL);
+    if ((int64_t)threads > n_items) threads = (int)n_items;
+    pool_run(attention_task, &j, threads, spin);
     return 0;
 }
 

@@ -1,0 +1,135 @@
+"""The CPU kernels' C library: every .c file under kernels/csrc built into one shared object.
+
+The paged attention kernel (kernels/cpu_attention.py) and the small-batch linear
+(kernels/cpu_gemv.py) share one library so that they share one thread pool
+(csrc/thread_pool.c): two pools would spin against each other on the same cores. It is plain C
+built here at first use with the system C compiler (about a second), cached by sources, flags,
+compiler and CPU under PAGODA_KERNEL_CACHE (default ~/.cache/pagoda/kernels), and called
+through ctypes, which releases the GIL.
+
+PAGODA_CPU_SPIN_US (default 1000): how long a pool thread spins after a small step's kernel
+(a decode of at most GEMV_MAX_M tokens) before it sleeps; after larger ones it sleeps at once.
+Waking a sleeping thread costs up to half a millisecond on a virtual machine, and a small step's
+kernels come tens to hundreds of microseconds apart (csrc/thread_pool.h). 0: never spin.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
+DEFAULT_SPIN_US = 1000
+# Constants the Python side relies on, checked against the built library's.
+QTILE = 8        # query tokens per attention work item (paged_attention_cpu.c)
+GEMV_MAX_M = 8   # most rows gemv_f32 takes (gemv_cpu.c)
+
+i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+SIGNATURES = {
+    "paged_attention_cpu": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
+                            ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr,
+                            i64, i32, i32],
+    "gemv_f32": [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32],
+    "pool_set_spin_us": [i32],
+}
+
+
+def sources() -> list[Path]:
+    return sorted(CSRC.glob("*.[ch]"))
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PAGODA_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagoda" / "kernels"
+
+
+def spin_us() -> int:
+    raw = os.environ.get("PAGODA_CPU_SPIN_US", str(DEFAULT_SPIN_US))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 1_000_000:
+        raise ValueError(f"PAGODA_CPU_SPIN_US: must be an integer from 0 to 1000000 microseconds (got {raw!r})")
+    return value
+
+
+def kernel_threads() -> int:
+    """Threads a kernel call splits over: torch's intra-op count (PAGODA_CPU_KERNEL_THREADS
+    overrides, for experiments)."""
+    env = os.environ.get("PAGODA_CPU_KERNEL_THREADS")
+    return int(env) if env else torch.get_num_threads()
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: a cache shared between different CPUs must not mix builds."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    """The built library, compiling it on first use; None (and one warning) when that fails."""
+    spin = spin_us()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        log.warning("CPU kernels: no C compiler (CC, cc, gcc) found; using the torch reference")
+        return None
+    srcs = sources()
+    key = hashlib.sha256(b"\0".join([*(p.name.encode() + p.read_bytes() for p in srcs),
+                                     " ".join(FLAGS).encode(), cc.encode(),
+                                     platform.machine().encode(), _cpu_id().encode()])).hexdigest()[:16]
+    path = cache_dir() / f"pagoda_cpu-{key}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Build beside the target and rename: workers starting together never load half a file.
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            os.close(fd)
+            try:
+                subprocess.run([cc, *FLAGS, "-o", tmp, *(str(p) for p in srcs if p.suffix == ".c"), "-lm"],
+                               check=True, capture_output=True, timeout=120)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("CPU kernels: building %s with %s failed (%s %s); using the torch reference",
+                    CSRC, cc, e, detail.decode(errors="replace")[-500:])
+        return None
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int if name != "pool_set_spin_us" else None
+    for name, want in (("qtile", QTILE), ("gemv_max_m", GEMV_MAX_M)):
+        if getattr(lib, name)() != want:
+            raise RuntimeError(f"{CSRC}: {name}() is {getattr(lib, name)()}, {__name__} expects {want}")
+    lib.pool_set_spin_us(spin)
+    return lib
+
+
+def available() -> bool:
+    return load_library() is not None
