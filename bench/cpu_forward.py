@@ -13,7 +13,9 @@ Variants (--variants, default all):
                  2026-12-03
     passive-mkl  OMP_WAIT_POLICY=PASSIVE (what gpu_worker sets before torch loads), F.linear
     passive      PASSIVE and fp32 linears through oneDNN (gpu_worker.models.parallel.dense_linear):
-                 pagoda's defaults now
+                 pagoda until the small-batch kernel
+    short-spin   GOMP_SPINCOUNT=1000 (a few microseconds of spin, then sleep), linears through
+                 kernels/cpu_gemv.py at 1-8 rows and oneDNN above: pagoda's defaults now
 
     python bench/cpu_forward.py                 # 2 threads, batch 64 x 350, prefill 2048
     python bench/cpu_forward.py --quick         # smoke run
@@ -29,9 +31,11 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MKL = {"PAGODA_CPU_GEMM": "torch"}
-VARIANTS = {"spin": {"OMP_WAIT_POLICY": "ACTIVE", **MKL}, "default": {"OMP_WAIT_POLICY": None, **MKL},
-            "passive-mkl": {"OMP_WAIT_POLICY": "PASSIVE", **MKL},
-            "passive": {"OMP_WAIT_POLICY": "PASSIVE", "PAGODA_CPU_GEMM": "onednn"}}
+VARIANTS = {"spin": {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": None, **MKL},
+            "default": {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None, **MKL},
+            "passive-mkl": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None, **MKL},
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None, "PAGODA_CPU_GEMM": "onednn"},
+            "short-spin": {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "1000", "PAGODA_CPU_GEMM": "auto"}}
 
 
 def child(args) -> None:

@@ -5,13 +5,18 @@ Offline use: `from gpu_worker import LLM, SamplingParams`.
 import os
 import sys
 
-# OpenMP threads that wait for work sleep at once instead of spinning (libgomp reads this once,
-# when torch loads it, so only before the first `import torch`). A spinning thread holds its core
-# while the thread it waits for may sit in the run queue: on a CPU shared with other processes
-# a decode step of the vs_vllm model took 450 ms of CPU spinning against 80 ms sleeping
-# (bench/RESULTS.md, "pagoda vs vLLM"). Set OMP_WAIT_POLICY=ACTIVE for a machine of its own.
-if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads that wait for work spin only briefly, then sleep (libgomp reads this once, when
+# torch loads it, so only before the first `import torch`). libgomp's default spin (300,000
+# iterations, about a millisecond) holds a core while the thread it waits for may sit in the run
+# queue: on a CPU shared with other processes a decode step of the vs_vllm model took 450 ms of
+# CPU spinning against 80 ms sleeping. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) costs a
+# wake-up per parallel region instead, up to half a millisecond on a virtual machine, and a
+# step has dozens: 1,000 iterations (microseconds; libgomp's own figure when threads outnumber
+# cores) cover the gaps between back-to-back regions, 15-35% less wall time per step than
+# PASSIVE (bench/RESULTS.md, "pagoda vs vLLM"). Setting OMP_WAIT_POLICY or GOMP_SPINCOUNT
+# (ACTIVE for a machine of its own) takes over.
+if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+    os.environ["GOMP_SPINCOUNT"] = "1000"
 
 from gpu_worker.sampling_params import SamplingParams  # noqa: E402
 

@@ -1,6 +1,7 @@
-"""The CPU forward's process-wide settings: OpenMP threads of a worker process sleep while they
-wait (gpu_worker/__init__.py: on a CPU shared with other processes, spinning threads cost several
-times the CPU of the work itself), and fp32 linears go through oneDNN (models/parallel.py)."""
+"""The CPU forward's process-wide settings: OpenMP threads of a worker process spin only briefly
+before they sleep (gpu_worker/__init__.py: on a CPU shared with other processes, libgomp's long
+spin costs several times the CPU of the work itself), and fp32 linears go through the small-batch
+kernel or oneDNN (models/parallel.py)."""
 import os
 import subprocess
 import sys
@@ -22,33 +23,35 @@ for _ in range(3):
     x @ x
 t = time.process_time()
 time.sleep(0.5)
-print(os.environ.get("OMP_WAIT_POLICY"), time.process_time() - t)
+print(os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"), time.process_time() - t)
 """
 
 
-def probe(first: str, **env) -> tuple[str, float]:
+def probe(first: str, **env) -> tuple[str, str, float]:
     out = subprocess.run([sys.executable, "-c", PROBE.format(first=first)], capture_output=True, text=True,
                          check=True, cwd=ROOT, timeout=120,
-                         env={k: v for k, v in {**os.environ, **env}.items() if v is not None})
-    policy, cpu = out.stdout.split()
-    return policy, float(cpu)
+                         env={**{k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
+                              **env})
+    policy, spin, cpu = out.stdout.split()
+    return policy, spin, float(cpu)
 
 
 def test_waiting_threads_sleep():
-    policy, idle_cpu = probe("import gpu_worker", OMP_WAIT_POLICY=None)
-    assert policy == "PASSIVE" and idle_cpu < 0.02
+    policy, spin, idle_cpu = probe("import gpu_worker")
+    assert (policy, spin) == ("None", "1000") and idle_cpu < 0.02
 
 
 def test_own_policy_kept():
     # ACTIVE keeps the other thread spinning through the main thread's sleep.
-    policy, idle_cpu = probe("import gpu_worker", OMP_WAIT_POLICY="ACTIVE")
-    assert policy == "ACTIVE" and idle_cpu > 0.05
+    policy, spin, idle_cpu = probe("import gpu_worker", OMP_WAIT_POLICY="ACTIVE")
+    assert (policy, spin) == ("ACTIVE", "None") and idle_cpu > 0.05
+    # and a spin count of one's own
+    assert probe("import gpu_worker", GOMP_SPINCOUNT="5")[:2] == ("None", "5")
 
 
 def test_torch_first_left_alone():
     # Too late to change OpenMP once torch is loaded: the environment is not touched.
-    policy, _ = probe("import torch\nimport gpu_worker", OMP_WAIT_POLICY=None)
-    assert policy == "None"
+    assert probe("import torch\nimport gpu_worker")[:2] == ("None", "None")
 
 
 def test_dense_linear_matches_f_linear():
