@@ -49,7 +49,8 @@ def select_backend(name: str, device: torch.device) -> tuple[Callable, Callable]
         # Built now, during start-up, not in the first step; without a compiler this warns once
         # and every call takes the reference.
         cpu_attention.available()
-        return write_kv_cache_ref, cpu_attention.paged_attention_cpu
+        from kernels.cpu_ops import write_kv_cache_cpu
+        return write_kv_cache_cpu, cpu_attention.paged_attention_cpu
     if name == "triton":
         # Off CUDA the kernels run under Triton's interpreter (kernels/launch.py): exact but
         # slow, for the CPU twins of the GPU tests.

@@ -28,7 +28,7 @@ from gpu_worker.input_batch import InputBatch, PromptScores, StepInputs
 from gpu_worker.loader import load_hf_config, load_model, resolve_dtype, resolve_model
 from gpu_worker.lora import LoRAManager
 from gpu_worker.memory import cuda_graph_bytes, kv_budget_bytes, module_bytes, sampler_workspace_bytes
-from gpu_worker.models.llama import use_triton_ops
+from gpu_worker.models.llama import use_fused_ops
 from gpu_worker.models.parallel import Shard, check_tensor_parallel
 from gpu_worker.outputs import Logprob, ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from gpu_worker.quantization import parse_quantization
@@ -126,7 +126,7 @@ class ModelRunner:
                  f", {self.quant.describe()}" if self.quant is not None else "")
         self.write_fn, self.attend_fn = select_backend(config.attention_backend, self.device)
         self.backend = resolve_backend(config.attention_backend, self.device)
-        use_triton_ops(self.model, self.backend == "triton")
+        use_fused_ops(self.model, self.backend)
         self.lora = self._lora_manager() if config.enable_lora else None
         attn = self.model.attention_layers()[0]
         self.num_layers = len(self.model.attention_layers())

@@ -1,7 +1,7 @@
 """The CPU kernels' C library: every .c file under kernels/csrc built into one shared object.
 
-The paged attention kernel (kernels/cpu_attention.py) and the small-batch linear
-(kernels/cpu_gemv.py) share one library so that they share one thread pool
+The paged attention kernel (kernels/cpu_attention.py), the small-batch linear
+(kernels/cpu_gemv.py) and a layer's small elementwise ops (kernels/cpu_ops.py) share one library so that they share one thread pool
 (csrc/thread_pool.c): two pools would spin against each other on the same cores. It is plain C
 built here at first use with the system C compiler (about a second), cached by sources, flags,
 compiler and CPU under PAGODA_KERNEL_CACHE (default ~/.cache/pagoda/kernels), and called
@@ -43,6 +43,11 @@ SIGNATURES = {
                             i64, i32, i32],
     "gemv_f32": [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32],
     "pool_set_spin_us": [i32],
+    "add_rms_norm_f32": [ptr, i64, ptr, i64, ptr, f32, ptr, i64, ptr, i64, i32, i32, i32],
+    "rotary_neox_f32": [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, ptr, i64, i64, i32, i32, i32],
+    "write_kv_f32": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64,
+                     i32, i32, i32, i32, i32],
+    "silu_mul_f32": [ptr, i64, ptr, i64, i32, i32, i32],
 }
 
 

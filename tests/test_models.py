@@ -185,10 +185,11 @@ def test_runner_attributes_and_block_sizing(tiny_model):
 def test_backend_dispatch():
     from gpu_worker.attention import select_backend
     from kernels.cpu_attention import paged_attention_cpu
+    from kernels.cpu_ops import write_kv_cache_cpu
     from kernels.reference import paged_attention_ref, write_kv_cache_ref
     cpu = torch.device("cpu")
     assert select_backend("torch", cpu) == (write_kv_cache_ref, paged_attention_ref)
-    assert select_backend("auto", cpu) == select_backend("cpu", cpu) == (write_kv_cache_ref, paged_attention_cpu)
+    assert select_backend("auto", cpu) == select_backend("cpu", cpu) == (write_kv_cache_cpu, paged_attention_cpu)
     from kernels.triton_attention import paged_attention_triton
     from kernels.triton_cache import write_kv_cache_triton
     # On CPU tensors the Triton kernels run interpreted (kernels/launch.py), on any host.
@@ -268,7 +269,8 @@ for backend in ("torch", "triton"):
     r.allocate_kv_cache(16)
     assert r.attend_fn.__name__ == "paged_attention_" + ("ref" if backend == "torch" else "triton")
     # The fused norm/rotary ops follow the attention backend (Qwen3: q/k norms stay torch, 3-D).
-    assert r.model.norm.triton == r.model.layers[0].self_attn.rotary.triton == (backend == "triton")
+    want = backend if backend in ("triton", "cpu") else "torch"
+    assert r.model.norm.ops == r.model.layers[0].self_attn.rotary.ops == want
     rng = random.Random(0)
     a = [rng.randrange(5, r.vocab_size) for _ in range(21)]
     b = [rng.randrange(5, r.vocab_size) for _ in range(9)]

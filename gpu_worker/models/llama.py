@@ -28,33 +28,42 @@ from gpu_worker.models.parallel import (
     local_heads,
     parallel_logits,
 )
+from kernels.cpu_ops import add_rms_norm_cpu, rotary_cpu, silu_mul_cpu
 from kernels.reference import add_rms_norm_ref, rotary_ref
 
 
 class RMSNorm(nn.Module):
     """forward(x, residual=None) -> (RMSNorm(x + residual), x + residual): the add is fused in, so
-    a decoder layer hands the sum on as the next residual. With `triton` set (use_triton_ops) a
-    2-D input goes through one Triton kernel instead of about eight torch ops."""
+    a decoder layer hands the sum on as the next residual. With `ops` "triton" or "cpu"
+    (use_fused_ops) a 2-D input goes through one kernel instead of about eight torch ops: Triton's,
+    or kernels/cpu_ops.py's for a few rows on a CPU."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.triton = False
+        self.ops = "torch"
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.triton and x.dim() == 2:
+        if self.ops == "cpu":
+            return add_rms_norm_cpu(x, residual, self.weight, self.eps)
+        if self.ops == "triton" and x.dim() == 2:
             from kernels.triton_norm import add_rms_norm_triton  # triton loads only when used
             return add_rms_norm_triton(x, residual, self.weight, self.eps)
         return add_rms_norm_ref(x, residual, self.weight, self.eps)
 
 
-def use_triton_ops(model: nn.Module, on: bool) -> None:
-    """Fused Triton RMSNorm (+ residual add) and rotary (kernels/triton_norm.py) for every layer,
-    or the torch ops (exact on CPU). Chosen once, with the attention backend."""
+def use_fused_ops(model: nn.Module, backend: str) -> None:
+    """RMSNorm (+ residual add) and rotary of every layer as one kernel each: Triton's
+    (kernels/triton_norm.py) with the triton attention backend, the C ones (kernels/cpu_ops.py,
+    with SiLU * up too) with the cpu backend, else the torch ops. Chosen once, with the
+    attention backend."""
+    ops = backend if backend in ("triton", "cpu") else "torch"
     for m in model.modules():
         if isinstance(m, (RMSNorm, RotaryEmbedding)):
-            m.triton = on
+            m.ops = ops
+        elif isinstance(m, MLP):
+            m.ops = "cpu" if ops == "cpu" else "torch"
 
 
 def rope_parameters(hf_config) -> dict:
@@ -100,7 +109,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.max_positions = head_dim, max_positions
         self.inv_freq = rope_inv_freq(head_dim, params)
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.triton = False
+        self.ops = "torch"
 
     def table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._table is None or self._table[0].device != device:
@@ -111,9 +120,12 @@ class RotaryEmbedding(nn.Module):
         return self._table
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hkv, D] rotated by their token's position (in place with `triton`)."""
+        """q [T, Hq, D], k [T, Hkv, D] rotated by their token's position (in place with `ops`
+        "triton" or "cpu")."""
         cos, sin = self.table(q.device)
-        if self.triton:
+        if self.ops == "cpu":
+            return rotary_cpu(positions, q, k, cos, sin)
+        if self.ops == "triton":
             from kernels.triton_norm import rotary_triton
             return rotary_triton(positions, q, k, cos, sin)
         return rotary_ref(positions, q, k, cos, sin)
@@ -180,13 +192,17 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.lora_gate_up = self.lora_down = None      # as Attention's
+        self.ops = "torch"                              # "cpu": one C pass (use_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.lora_gate_up is not None:
             self.lora_gate_up(x, gate_up)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        act = F.silu(gate) * up
+        if self.ops == "cpu":
+            act = silu_mul_cpu(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
         y = self.down_proj(act)
         if self.lora_down is not None:
             self.lora_down(act, y)

@@ -13,17 +13,9 @@
 #include <stdint.h>
 
 #include "thread_pool.h"
+#include "vec.h"
 
 #define GEMV_MAX_M 8
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
-
-static inline v8 load8(const float *p) { return *(const v8u *)p; }
-
-static inline float hsum8(v8 a) {
-    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-}
 
 typedef struct {
     const float *x; int64_t xs;
