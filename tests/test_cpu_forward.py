@@ -86,3 +86,23 @@ def test_cpu_gemm_choice(gemm):
     out = subprocess.run([sys.executable, "-c", "from gpu_worker.models.parallel import _ONEDNN, _GEMV; print(_ONEDNN, _GEMV)"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120, env=env, check=True)
     assert out.stdout.split() == [str(gemm != "torch"), str(gemm in ("auto", None))]
+
+
+def test_large_batches_use_the_packed_weight_and_follow_its_writes():
+    import gc
+
+    from gpu_worker.models import parallel
+    g = torch.Generator().manual_seed(4)
+    w = torch.nn.Parameter(torch.randn(300, 96, generator=g))
+    x = torch.randn(40, 96, generator=g)
+    with torch.inference_mode():
+        torch.testing.assert_close(parallel.dense_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert id(w) in parallel._packed
+    with torch.no_grad():
+        w.mul_(-2)                       # a write after packing: the packed copy is stale
+    with torch.inference_mode():
+        torch.testing.assert_close(parallel.dense_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    key = id(w)
+    del w
+    gc.collect()
+    assert key not in parallel._packed   # the copy goes with its parameter

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -52,16 +53,38 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """F.linear, for 2-D fp32 rows on a CPU through kernels/cpu_gemv.py when there are at most
     8 of them (a decode step of a few sequences streams the weights: 1.8x faster than oneDNN at
     one row here, bench/cpu_forward.py) and through oneDNN's fp32 matmul above (1.2-1.4x less
-    CPU than MKL's sgemm at a step's batch sizes). Both are IEEE fp32; results differ from
-    F.linear's in the last bits, as any other blocking of the sum would. Anything else, or with
-    autograd recording, is F.linear."""
+    CPU than MKL's sgemm at a step's batch sizes; a model's weights prepacked, _onednn_packed).
+    Both are IEEE fp32; results differ from F.linear's in the last bits, as any other blocking of
+    the sum would. Anything else, or with autograd recording, is F.linear."""
     if (_ONEDNN and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
         if _GEMV and x.shape[0] <= GEMV_MAX_M and cpu_gemv.takes(x, weight, bias):
             return cpu_gemv.small_linear(x, weight, bias)
+        if _GEMV and isinstance(weight, nn.Parameter):
+            weight = _onednn_packed(weight)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+# A model's weights in oneDNN's blocked layout, made at first use: id(parameter) -> (a weak
+# reference to it, its version then, the packed copy). The entry goes with the parameter; a
+# weight written in place since is packed again.
+_packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _onednn_packed(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` reordered once into oneDNN's layout for batches past the small-batch kernel:
+    oneDNN otherwise reorders it on every call (7-10% of a large-batch CPU run of
+    bench/vs_vllm.py's greedy workload). The plain weight stays for the small-batch kernel and
+    everything else: a CPU model's linear weights are held twice."""
+    key = id(weight)
+    hit = _packed.get(key)
+    if hit is None or hit[0]() is not weight or hit[1] != weight._version:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 256)
+        hit = (weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)), weight._version, packed)
+        _packed[key] = hit
+    return hit[2]
 
 
 class Linear(nn.Linear):
