@@ -17,6 +17,7 @@ The loader asks `shard_slice` which slice of each checkpoint tensor this rank re
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 from dataclasses import dataclass
@@ -73,6 +74,10 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 _packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
+def _forget_packed(key: int, _ref: object) -> None:
+    _packed.pop(key, None)
+
+
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor:
     """`weight` reordered once into oneDNN's layout for batches past the small-batch kernel:
     oneDNN otherwise reorders it on every call (7-10% of a large-batch CPU run of
@@ -82,7 +87,7 @@ def _onednn_packed(weight: torch.Tensor) -> torch.Tensor:
     hit = _packed.get(key)
     if hit is None or hit[0]() is not weight or hit[1] != weight._version:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 256)
-        hit = (weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)), weight._version, packed)
+        hit = (weakref.ref(weight, functools.partial(_forget_packed, key)), weight._version, packed)
         _packed[key] = hit
     return hit[2]
 
