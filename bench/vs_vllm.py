@@ -23,7 +23,7 @@ warm-up done, one short request served). Per --rounds (default 3) one vLLM and o
 process, the order alternating; the report gives medians and min-max per workload, the
 pagoda/vLLM ratio of each round's pair, greedy token agreement, start-ups and load averages.
 
-    python bench/vs_vllm.py                          # the recorded run (about 30 minutes here)
+    python bench/vs_vllm.py                          # the recorded run (about 12 minutes here)
     python bench/vs_vllm.py --quick --engines pagoda # smoke run: tiny model, a few seconds
     python bench/vs_vllm.py --json out.json          # every figure and token, as JSON
 
