@@ -93,7 +93,10 @@ def test_a_consumer_behind_gets_one_merged_delta(tiny_model):
     from gpu_worker.async_llm import AsyncLLM
     from gpu_worker.config import EngineConfig
     from gpu_worker.sampling_params import SamplingParams
-    eng = AsyncLLM(EngineConfig(model=tiny_model, device="cpu", num_kv_blocks=32))
+    # No prefix cache: the second request's prefill then computes what the first one's did, so
+    # their logprobs are equal to the bit (a cache hit would prefill one row, through the
+    # small-batch linear, whose sums round differently from the 20-row GEMM's).
+    eng = AsyncLLM(EngineConfig(model=tiny_model, device="cpu", num_kv_blocks=32, enable_prefix_caching=False))
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
 
     async def main():
