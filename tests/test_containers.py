@@ -221,7 +221,10 @@ def assert_cached_repeat(first: list, again: list) -> None:
     assert first[-1].usage.cached_prompt_tokens == 0
     assert again[-1].worker_id == first[-1].worker_id
     assert again[-1].usage.cached_prompt_tokens >= 16                   # at least one full block
-    assert [c.text for c in again] == [c.text for c in first]
+    # The same tokens and text; how they split into chunks is timing: deltas that queue up
+    # behind a slow reader go out merged (gpu_worker stream coalescing).
+    assert [t for c in again for t in c.token_ids] == [t for c in first for t in c.token_ids]
+    assert "".join(c.text for c in again) == "".join(c.text for c in first)
 
 
 def metric(port: int, name: str) -> float:
