@@ -76,8 +76,6 @@ static void after_fork_in_child(void) {
 
 void pool_set_spin_us(int us) { spin_ns = us < 0 ? 0 : (int64_t)us * 1000; }
 
-int pool_threads(void) { return started + 1; }
-
 void pool_run(pool_task task, void *ctx, int threads, int spin) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads <= 1) {
