@@ -1,15 +1,18 @@
 """The CPU kernels' C library: every .c file under kernels/csrc built into one shared object.
 
-The paged attention kernel (kernels/cpu_attention.py), the small-batch linear
-(kernels/cpu_gemv.py) and a layer's small elementwise ops (kernels/cpu_ops.py) share one library so that they share one thread pool
-(csrc/thread_pool.c): two pools would spin against each other on the same cores. It is plain C
+The attention kernels (kernels/cpu_attention.py), the linears (kernels/cpu_gemv.py for a few
+rows, kernels/cpu_gemm.py above) and a layer's small elementwise ops (kernels/cpu_ops.py) share
+one library so that they share one thread pool (csrc/thread_pool.c): two pools would spin
+against each other on the same cores. It is plain C
 built here at first use with the system C compiler (about a second), cached by sources, flags,
 compiler and CPU under PAGODA_KERNEL_CACHE (default ~/.cache/pagoda/kernels), and called
 through ctypes, which releases the GIL.
 
-PAGODA_CPU_SPIN_US (default 1000): how long a pool thread spins after a small step's kernel
-(a decode of at most GEMV_MAX_M tokens) before it sleeps; after larger ones it sleeps at once.
-Waking a sleeping thread costs up to half a millisecond on a virtual machine, and a small step's
+PAGODA_CPU_SPIN_US (default 1000): how long a pool thread spins after a kernel before it
+sleeps: after every kernel when the step's GEMMs run on the pool too (set_spin_always, the
+default of gpu_worker.models.parallel), else only after a small step's (a decode of at most
+GEMV_MAX_M tokens), so that no spinner holds a core that torch's OpenMP GEMM threads want.
+Waking a sleeping thread costs up to half a millisecond on a virtual machine, and a step's
 kernels come tens to hundreds of microseconds apart (csrc/thread_pool.h). 0: never spin.
 """
 from __future__ import annotations
@@ -42,13 +45,33 @@ SIGNATURES = {
                             ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr,
                             i64, i32, i32],
     "gemv_f32": [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32],
+    "gemm_f32": [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32],
+    "gemm_pack_f32": [ptr, i64, i32, i32, ptr],
+    "gemm_packed_floats": [i32, i32],
     "pool_set_spin_us": [i32],
+    "pool_set_spin_always": [i32],
     "add_rms_norm_f32": [ptr, i64, ptr, i64, ptr, f32, ptr, i64, ptr, i64, i32, i32, i32],
     "rotary_neox_f32": [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, ptr, i64, i64, i32, i32, i32],
     "write_kv_f32": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64,
                      i32, i32, i32, i32, i32],
     "silu_mul_f32": [ptr, i64, ptr, i64, i32, i32, i32],
 }
+RESTYPES = {"pool_set_spin_us": None, "pool_set_spin_always": None, "gemm_pack_f32": None,
+            "gemm_packed_floats": i64}
+# Whether every job keeps the pool's threads spinning after it (set_spin_always).
+_spin_always = False
+
+
+def set_spin_always(on: bool) -> None:
+    """Spin after every job, not only a small step's: right when the step's GEMMs run on this
+    pool too (kernels/cpu_gemm.py), so that no kernel of a large step waits for a wake-up; wrong
+    when they run on torch's OpenMP threads, which would then share their cores with spinners."""
+    global _spin_always
+    _spin_always = bool(on)
+    if load_library.cache_info().currsize:
+        lib = load_library()
+        if lib is not None:
+            lib.pool_set_spin_always(int(on))
 
 
 def sources() -> list[Path]:
@@ -128,11 +151,12 @@ def load_library() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name != "pool_set_spin_us" else None
+        fn.restype = RESTYPES.get(name, ctypes.c_int)
     for name, want in (("qtile", QTILE), ("gemv_max_m", GEMV_MAX_M)):
         if getattr(lib, name)() != want:
             raise RuntimeError(f"{CSRC}: {name}() is {getattr(lib, name)()}, {__name__} expects {want}")
     lib.pool_set_spin_us(spin)
+    lib.pool_set_spin_always(int(_spin_always))
     return lib
 
 

@@ -56,8 +56,8 @@ def test_refused_shapes_go_elsewhere():
 
 
 def test_dense_linear_takes_it_for_small_batches():
-    from gpu_worker.models.parallel import _GEMV, dense_linear
-    assert _GEMV
+    from gpu_worker.models.parallel import _POOL, dense_linear
+    assert _POOL
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 40, generator=g)
     with torch.inference_mode():

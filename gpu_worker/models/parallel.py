@@ -21,12 +21,13 @@ import functools
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemv
+from kernels import cpu_gemm, cpu_gemv, cpu_lib
 from kernels.cpu_lib import GEMV_MAX_M
 
 CPU_GEMMS = ("auto", "onednn", "torch")
@@ -34,61 +35,73 @@ CPU_GEMMS = ("auto", "onednn", "torch")
 
 def _cpu_gemm() -> str:
     """How fp32 CPU linears are computed (PAGODA_CPU_GEMM): auto (the default) takes
-    kernels/cpu_gemv.py for 1-8 rows and oneDNN's matmul above, onednn takes oneDNN for every
-    batch, torch takes F.linear (MKL's sgemm in the PyPI build)."""
+    kernels/cpu_gemv.py for 1-8 rows and kernels/cpu_gemm.py above, both on the CPU kernels'
+    thread pool; onednn takes oneDNN's matmul for every batch (on torch's OpenMP threads); torch
+    takes F.linear (MKL's sgemm in the PyPI build)."""
     choice = os.environ.get("PAGODA_CPU_GEMM", "auto")
     if choice not in CPU_GEMMS:
         raise ValueError(f"PAGODA_CPU_GEMM: must be one of {', '.join(CPU_GEMMS)} (got {choice!r})")
-    if choice != "torch" and not (torch.backends.mkldnn.is_available()
-                                  and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if choice == "onednn" and not (torch.backends.mkldnn.is_available()
+                                   and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return "torch"
     return choice
 
 
 _CPU_GEMM = _cpu_gemm()
-_ONEDNN = _CPU_GEMM != "torch"
-_GEMV = _CPU_GEMM == "auto"
+_ONEDNN = _CPU_GEMM == "onednn"
+_POOL = _CPU_GEMM == "auto"
+# The step's GEMMs run on the kernels' pool: its threads may spin from one kernel to the next.
+cpu_lib.set_spin_always(_POOL)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, for 2-D fp32 rows on a CPU through kernels/cpu_gemv.py when there are at most
-    8 of them (a decode step of a few sequences streams the weights: 1.8x faster than oneDNN at
-    one row here, bench/cpu_forward.py) and through oneDNN's fp32 matmul above (1.2-1.4x less
-    CPU than MKL's sgemm at a step's batch sizes; a model's weights prepacked, _onednn_packed).
-    Both are IEEE fp32; results differ from F.linear's in the last bits, as any other blocking of
-    the sum would. Anything else, or with autograd recording, is F.linear."""
-    if (_ONEDNN and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32
+    """F.linear, for 2-D fp32 rows on a CPU through the CPU kernels' library: kernels/cpu_gemv.py
+    when there are at most 8 of them (a decode step of a few sequences streams the weights: 1.8x
+    faster than oneDNN at one row here, bench/cpu_forward.py) and kernels/cpu_gemm.py above (a
+    model's weights packed once, _packed); PAGODA_CPU_GEMM=onednn puts every batch on oneDNN's
+    fp32 matmul instead. All are IEEE fp32; results differ from F.linear's in the last bits, as
+    any other blocking of the sum would. Anything else, or with autograd recording, is F.linear."""
+    if ((_POOL or _ONEDNN) and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
-        if _GEMV and x.shape[0] <= GEMV_MAX_M and cpu_gemv.takes(x, weight, bias):
-            return cpu_gemv.small_linear(x, weight, bias)
-        if _GEMV and isinstance(weight, nn.Parameter):
-            weight = _onednn_packed(weight)
+        if _POOL:
+            if x.shape[0] <= GEMV_MAX_M and cpu_gemv.takes(x, weight, bias):
+                return cpu_gemv.small_linear(x, weight, bias)
+            if cpu_gemm.takes(x, weight, bias):
+                packed = _packed(weight, cpu_gemm.pack) if isinstance(weight, nn.Parameter) \
+                    else cpu_gemm.pack(weight)
+                return cpu_gemm.linear(x, packed, weight.shape[0], bias)
+            return F.linear(x, weight, bias)
+        if isinstance(weight, nn.Parameter):
+            weight = _packed(weight, _onednn_layout)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-# A model's weights in oneDNN's blocked layout, made at first use: id(parameter) -> (a weak
-# reference to it, its version then, the packed copy). The entry goes with the parameter; a
-# weight written in place since is packed again.
-_packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+def _onednn_layout(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` reordered into oneDNN's blocked layout (oneDNN otherwise reorders it on every
+    call: 7-10% of a large-batch CPU run of bench/vs_vllm.py's greedy workload)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 256)
 
 
-def _forget_packed(key: int, _ref: object) -> None:
-    _packed.pop(key, None)
+# A model's weights in a GEMM's layout, made at first use: (id(parameter), the packing) -> (a
+# weak reference to it, its version then, the packed copy). The entry goes with the parameter;
+# a weight written in place since is packed again.
+_packs: dict[tuple[int, Callable], tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
-def _onednn_packed(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` reordered once into oneDNN's layout for batches past the small-batch kernel:
-    oneDNN otherwise reorders it on every call (7-10% of a large-batch CPU run of
-    bench/vs_vllm.py's greedy workload). The plain weight stays for the small-batch kernel and
+def _forget_packed(key: tuple[int, Callable], _ref: object) -> None:
+    _packs.pop(key, None)
+
+
+def _packed(weight: torch.Tensor, pack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`weight` packed by `pack`, once. The plain weight stays for the small-batch kernel and
     everything else: a CPU model's linear weights are held twice."""
-    key = id(weight)
-    hit = _packed.get(key)
+    key = (id(weight), pack)
+    hit = _packs.get(key)
     if hit is None or hit[0]() is not weight or hit[1] != weight._version:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 256)
-        hit = (weakref.ref(weight, functools.partial(_forget_packed, key)), weight._version, packed)
-        _packed[key] = hit
+        hit = (weakref.ref(weight, functools.partial(_forget_packed, key)), weight._version, pack(weight))
+        _packs[key] = hit
     return hit[2]
 
 

@@ -17,6 +17,7 @@ static atomic_uint generation;     /* bumped once per job */
 static atomic_int remaining;       /* pool threads still in the current job */
 static int64_t spin_ns = 1000000;  /* after a job that asks for a spin */
 static int job_spin;               /* whether pool threads spin after the current job */
+static int spin_always;            /* every job spins (pool_set_spin_always) */
 
 static pool_task job_task;
 static void *job_ctx;
@@ -76,6 +77,8 @@ static void after_fork_in_child(void) {
 
 void pool_set_spin_us(int us) { spin_ns = us < 0 ? 0 : (int64_t)us * 1000; }
 
+void pool_set_spin_always(int on) { spin_always = on != 0; }
+
 void pool_run(pool_task task, void *ctx, int threads, int spin) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads <= 1) {
@@ -96,7 +99,7 @@ void pool_run(pool_task task, void *ctx, int threads, int spin) {
     job_task = task;
     job_ctx = ctx;
     job_threads = threads;
-    job_spin = spin;
+    job_spin = spin || spin_always;
     /* Every pool thread takes each job (those past `threads` return at once), so the
      * generation count alone tells each one that a job is there. */
     atomic_store_explicit(&remaining, started, memory_order_relaxed);

@@ -19,4 +19,8 @@ typedef void (*pool_task)(void *ctx, int id, int threads);
 
 void pool_run(pool_task task, void *ctx, int threads, int spin);
 
+/* Spin after every job, whatever it asks (kernels/cpu_lib.py's set_spin_always): when a large
+ * step's GEMMs run on this pool too, its kernels also come back to back. */
+void pool_set_spin_always(int on);
+
 #endif
