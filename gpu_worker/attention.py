@@ -8,7 +8,7 @@ kernels.reference functions (the exact oracle, always available), "triton" the T
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -27,6 +27,9 @@ class AttentionMetadata:
     # Longest seq_lens entry, known on the host when the step is built: split-KV sizes its
     # segments from it (None: assume the longest possible context).
     max_seq_len: int | None = None
+    # What a backend works out from the step once and reuses in every layer (the CPU kernel's
+    # work list and shared-prefix groups); lives as long as this object, one step.
+    memo: dict = field(default_factory=dict)
 
 
 BACKENDS = ("auto", "cpu", "torch", "triton")
@@ -77,6 +80,7 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.write_fn, self.attend_fn = write_kv_cache_ref, paged_attention_ref
+        self.takes_memo = False
         # Per-tensor scales of an fp8 cache (kernels/fp8.py); 1.0 without calibration data.
         self.k_scale = self.v_scale = 1.0
 
@@ -84,6 +88,7 @@ class PagedAttention(nn.Module):
              write_fn: Callable, attend_fn: Callable) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.write_fn, self.attend_fn = write_fn, attend_fn
+        self.takes_memo = bool(getattr(attend_fn, "takes_memo", False))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, **features) -> torch.Tensor:
@@ -98,6 +103,8 @@ class PagedAttention(nn.Module):
         features.setdefault("softcap", self.softcap)
         # Only features in use reach the kernel, so plain layers take the plain path.
         used: dict[str, Any] = {name: x for name, x in features.items() if isinstance(x, torch.Tensor) or x}
+        if self.takes_memo:
+            used["memo"] = meta.memo
         return self.attend_fn(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                               meta.query_start_loc, scale, max_seq_len=meta.max_seq_len,
                               k_scale=self.k_scale, v_scale=self.v_scale, **used)

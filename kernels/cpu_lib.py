@@ -38,12 +38,17 @@ DEFAULT_SPIN_US = 1000
 # Constants the Python side relies on, checked against the built library's.
 QTILE = 8        # query tokens per attention work item (paged_attention_cpu.c)
 GEMV_MAX_M = 8   # most rows gemv_f32 takes (gemv_cpu.c)
+GEMM_ATTENTION_ROWS = 48  # most query rows per work item of gemm_attention_cpu.c
 
 i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
     "paged_attention_cpu": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                            ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr,
-                            i64, i32, i32],
+                            ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, f32,
+                            i32, ptr, i64, i32, i32],
+    "gemm_attention_cpu": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64,
+                           i32, i32, i32, i32, f32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+                           ptr, i64, ptr, i64, i64, i32],
+    "gemm_attention_work_floats": [i32],
     "gemv_f32": [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32],
     "gemm_f32": [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32],
     "gemm_pack_f32": [ptr, i64, i32, i32, ptr],
@@ -57,7 +62,7 @@ SIGNATURES = {
     "silu_mul_f32": [ptr, i64, ptr, i64, i32, i32, i32],
 }
 RESTYPES = {"pool_set_spin_us": None, "pool_set_spin_always": None, "gemm_pack_f32": None,
-            "gemm_packed_floats": i64}
+            "gemm_packed_floats": i64, "gemm_attention_work_floats": i64}
 # Whether every job keeps the pool's threads spinning after it (set_spin_always).
 _spin_always = False
 
@@ -152,7 +157,8 @@ def load_library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = RESTYPES.get(name, ctypes.c_int)
-    for name, want in (("qtile", QTILE), ("gemv_max_m", GEMV_MAX_M)):
+    for name, want in (("qtile", QTILE), ("gemv_max_m", GEMV_MAX_M),
+                       ("gemm_attention_rows", GEMM_ATTENTION_ROWS)):
         if getattr(lib, name)() != want:
             raise RuntimeError(f"{CSRC}: {name}() is {getattr(lib, name)()}, {__name__} expects {want}")
     lib.pool_set_spin_us(spin)

@@ -3,7 +3,7 @@ its fallbacks to the reference for what it does not take."""
 import pytest
 import torch
 
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_lib
 from kernels.cpu_attention import paged_attention_cpu
 from kernels.fp8 import FP8_DTYPE, quantize_fp8
 from kernels.reference import paged_attention_ref, random_paged_batch
@@ -119,3 +119,152 @@ def test_no_compiler_falls_back_to_the_reference(tmp_path, monkeypatch, caplog):
         cpu_attention.load_library.cache_clear()
     monkeypatch.undo()
     assert cpu_attention.available()
+
+
+# ---- cascade: shared prefixes attended once per group (csrc/gemm_attention_cpu.c) ----
+
+def shared_batch(q_lens, seq_lens, hq, hkv, d, bs, shares, seed=7):
+    """random_paged_batch with shares = [(members, blocks)]: the members' tables start with the
+    first member's first `blocks` blocks, as the prefix cache hands them out."""
+    b = random_paged_batch(q_lens, seq_lens, hq, hkv, d, bs, generator=torch.Generator().manual_seed(seed))
+    for members, blocks in shares:
+        for s in members[1:]:
+            b["block_tables"][s, :blocks] = b["block_tables"][members[0], :blocks]
+    poison_spare_blocks(b)
+    return b
+
+
+def plan_of(memo):
+    (plan,) = memo.values()
+    return plan
+
+
+def shared_lens(plan):
+    """The keys each cascade group shares (its job's key count)."""
+    if plan.jobs is None:
+        return []
+    mode, keys = plan.jobs[5], plan.jobs[2]
+    return keys[mode == cpu_attention.TO_PARTIALS].tolist()
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 4, 64, 16), (8, 2, 32, 16), (4, 4, 64, 8), (6, 2, 128, 16),
+                                         (8, 1, 16, 32)])
+def test_cascade_matches_reference_and_float64(hq, hkv, d, bs):
+    # A group of 12 decodes, a group of two prefill chunks, a pair of decodes too small to
+    # group, and a sequence alone; 9 shared blocks of 8 keys pad the packed keys (72 -> 80).
+    q_lens = [1] * 12 + [9, 20, 1, 1, 3]
+    seq_lens = [200 + i for i in range(12)] + [150, 300, 90, 100, 60]
+    shared = 9 if bs == 8 else 200 // bs - 1
+    b = shared_batch(q_lens, seq_lens, hq, hkv, d, bs, [(list(range(12)), shared), ([12, 13], 128 // bs),
+                                                          ([14, 15], 64 // bs)])
+    memo: dict = {}
+    out = paged_attention_cpu(**b, out=torch.full_like(b["q"], float("nan")), memo=memo)
+    plan = plan_of(memo)
+    assert plan.prefix is not None
+    prefix, glens = plan.prefix, sorted(shared_lens(plan))
+    assert glens == sorted([shared * bs, 128])
+    assert prefix[:12].tolist() == [shared * bs] * 12 and prefix[14:].tolist() == [0, 0, 0]
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, paged_attention_ref(**b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), dense_attention(b), rtol=1e-5, atol=1e-5)
+
+
+def test_cascade_shares_only_the_blocks_every_member_has():
+    # Eight members agree on 6 blocks, one of them on only 4: the group shares 4.
+    b = shared_batch([1] * 8, [120, 130, 140, 150, 160, 170, 180, 190], 8, 2, 32, 16, [(list(range(8)), 6)])
+    b["block_tables"][3, 4:6] = b["block_tables"][7, 6:8]
+    memo: dict = {}
+    out = paged_attention_cpu(**b, memo=memo)
+    assert shared_lens(plan_of(memo)) == [64]
+    torch.testing.assert_close(out, paged_attention_ref(**b), rtol=1e-5, atol=1e-5)
+
+
+def test_cascade_group_of_many_rows_splits_into_items():
+    # 60 decodes x 4 query heads per KV head = 240 rows per KV head: several row chunks.
+    b = shared_batch([1] * 60, [100 + 3 * i for i in range(60)], 8, 2, 32, 16, [(list(range(60)), 6)])
+    memo: dict = {}
+    out = paged_attention_cpu(**b, memo=memo)
+    items = plan_of(memo).jobs[8]
+    assert len(items) == 2 * -(-240 // cpu_lib.GEMM_ATTENTION_ROWS)
+    torch.testing.assert_close(out, paged_attention_ref(**b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cascade_is_the_same_on_any_thread_count(threads):
+    b = shared_batch([1] * 20 + [30], [300] * 20 + [400], 8, 2, 64, 16, [(list(range(21)), 16)])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention_cpu(**b)
+        torch.set_num_threads(threads)
+        assert torch.equal(paged_attention_cpu(**b), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("feature", ["window", "softcap", "sinks"])
+def test_cascade_is_off_for_window_cap_and_sinks(feature):
+    gen = torch.Generator().manual_seed(3)
+    b = shared_batch([1] * 10, [100] * 10, 8, 2, 32, 16, [(list(range(10)), 5)])
+    kw = {"window": dict(sliding_window=40), "softcap": dict(softcap=2.0),
+          "sinks": dict(sinks=torch.randn(8, generator=gen))}[feature]
+    memo: dict = {}
+    out = paged_attention_cpu(**b, memo=memo, **kw)
+    assert plan_of(memo).jobs is None
+    torch.testing.assert_close(out.double(), dense_attention(b, **kw), rtol=1e-5, atol=1e-5)
+
+
+def test_the_step_memo_is_planned_once_and_kept_apart_by_shape():
+    b = shared_batch([1] * 10, [100] * 10, 8, 2, 32, 16, [(list(range(10)), 5)])
+    memo: dict = {}
+    paged_attention_cpu(**b, memo=memo)
+    plan = plan_of(memo)
+    paged_attention_cpu(**b, memo=memo)
+    assert plan_of(memo) is plan
+    # another layer shape in the same step (a draft model, say) gets a plan of its own
+    other = shared_batch([1] * 10, [100] * 10, 4, 4, 16, 16, [(list(range(10)), 5)])
+    torch.testing.assert_close(paged_attention_cpu(**other, memo=memo), paged_attention_ref(**other),
+                               rtol=1e-5, atol=1e-5)
+    assert len(memo) == 2
+
+
+def test_too_little_to_share_is_not_grouped():
+    # below CASCADE_MIN_TOKENS query tokens, or CASCADE_MIN_KEYS shared keys
+    few = shared_batch([1] * (cpu_attention.CASCADE_MIN_TOKENS - 1), [200] * 7, 8, 2, 32, 16, [(list(range(7)), 10)])
+    short = shared_batch([1] * 10, [200] * 10, 8, 2, 32, 16, [(list(range(10)), cpu_attention.CASCADE_MIN_KEYS // 16 - 1)])
+    for b in (few, short):
+        memo: dict = {}
+        out = paged_attention_cpu(**b, memo=memo)
+        assert plan_of(memo).jobs is None
+        torch.testing.assert_close(out, paged_attention_ref(**b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 4, 64, 16), (6, 2, 128, 8), (8, 1, 16, 32)])
+def test_long_prefill_chunks_as_matrix_products(hq, hkv, d, bs):
+    # Chunks past one key chunk (256 keys) with the causal edge inside them, a fresh prompt,
+    # a chunk after cached context, one just below PREFILL_MIN_TOKENS, and decodes beside.
+    q_lens = [300, 40, cpu_attention.PREFILL_MIN_TOKENS - 1, 1, 600]
+    seq_lens = [600, 300, 70, 50, 600]
+    b = random_paged_batch(q_lens, seq_lens, hq, hkv, d, bs, generator=torch.Generator().manual_seed(11))
+    poison_spare_blocks(b)
+    memo: dict = {}
+    out = paged_attention_cpu(**b, out=torch.full_like(b["q"], float("nan")), memo=memo)
+    plan = plan_of(memo)
+    assert plan.jobs[0].tolist() == [0, 1, 4]                  # the chunks of 16 tokens or more
+    assert sorted({int(i) >> 32 for i in plan.items}) == [2, 3]  # the rest, one sequence at a time
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, paged_attention_ref(**b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), dense_attention(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_prefill_chunks_are_the_same_on_any_thread_count(threads):
+    b = random_paged_batch([300, 40], [600, 300], 8, 2, 64, 16, generator=torch.Generator().manual_seed(12))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention_cpu(**b)
+        torch.set_num_threads(threads)
+        assert torch.equal(paged_attention_cpu(**b), one)
+    finally:
+        torch.set_num_threads(before)

@@ -30,6 +30,10 @@ typedef struct {
     const int32_t *bt; int64_t bt_s;
     const int32_t *seq_lens, *qsl;
     const float *sinks;
+    /* cascade (gemm_attention_cpu.c): keys before prefix[s] were attended as a shared
+     * prefix, whose unnormalised output and (max, sum) per (token, head) are merged here */
+    const int32_t *prefix;
+    const float *part_o, *part_ml;
     int hq, hkv, d, bs, window, heads_per_item;
     float scale, softcap;
     const int64_t *items; int64_t n_items;
@@ -69,7 +73,7 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
     const int first_pos = seq_len - q_len;
     /* keys visible to any row of the tile: [lo, hi] */
     const int hi = first_pos + r1 - 1;
-    int lo = 0;
+    int lo = j->prefix ? j->prefix[s] : 0;
     if (j->window > 0) { lo = first_pos + r0 - j->window + 1; if (lo < 0) lo = 0; }
     const int nk = hi - lo + 1;
     const int stride = (nk + 7) & ~7;
@@ -116,11 +120,11 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
         }
     }
     /* softmax per row over its own visible range (masked columns get probability 0) */
-    float inv[MAX_ROWS];
+    float inv[MAX_ROWS], mx[MAX_ROWS], tot[MAX_ROWS];
     for (int r = 0; r < rows; r++) {
         int t = (r % hrows) / G, g = r % G, h = h0 + r / hrows;
         int pos = first_pos + r0 + t;
-        int rlo = 0;
+        int rlo = lo;
         if (j->window > 0) { rlo = pos - j->window + 1; if (rlo < 0) rlo = 0; }
         int a = rlo - lo, z = pos - lo; /* inclusive columns */
         float *row = scores + r * stride;
@@ -142,6 +146,8 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
         float total = hsum8(sum);
         if (j->sinks) total += expf(sink - m);
         inv[r] = 1.0f / total;
+        mx[r] = m;
+        tot[r] = total;
     }
     /* pass 2: weighted values, a row's accumulator held in registers over a block */
     float acc[MAX_ROWS * MAX_D] __attribute__((aligned(32)));
@@ -168,10 +174,20 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
         }
     }
     for (int r = 0; r < rows; r++) {
-            int t = (r % hrows) / G, g = r % G, h = h0 + r / hrows;
-            float *dst = j->out + (int64_t)(q0 + r0 + t) * j->o_st + (int64_t)(h * G + g) * j->o_sh;
+        int t = (r % hrows) / G, g = r % G, h = h0 + r / hrows;
+        float *dst = j->out + (int64_t)(q0 + r0 + t) * j->o_st + (int64_t)(h * G + g) * j->o_sh;
+        if (j->prefix && j->prefix[s] > 0) {
+            /* out = (O1 e^(m1 - M) + O2 e^(m2 - M)) / (l1 e^(m1 - M) + l2 e^(m2 - M)) */
+            const int64_t row = (int64_t)(q0 + r0 + t) * j->hq + h * G + g;
+            const float *po = j->part_o + row * D, m1 = j->part_ml[row * 2], l1 = j->part_ml[row * 2 + 1];
+            const float M = m1 > mx[r] ? m1 : mx[r];
+            const float a1 = expf(m1 - M), a2 = expf(mx[r] - M);
+            const float norm = 1.0f / (l1 * a1 + tot[r] * a2);
+            for (int c = 0; c < D; c++) dst[c] = (po[c] * a1 + acc[r * D + c] * a2) * norm;
+        } else {
             for (int c = 0; c < D; c++) dst[c] = acc[r * D + c] * inv[r];
         }
+    }
 }
 
 static void run_item(const Job *j, int64_t item, float *scores) {
@@ -213,13 +229,15 @@ int paged_attention_cpu(const float *q, int64_t q_st, int64_t q_sh,
                         const float *v, int64_t v_sb, int64_t v_st, int64_t v_sh,
                         const int32_t *bt, int64_t bt_s,
                         const int32_t *seq_lens, const int32_t *qsl,
-                        const float *sinks, int hq, int hkv, int d, int bs, int window,
+                        const float *sinks, const int32_t *prefix, const float *part_o,
+                        const float *part_ml, int hq, int hkv, int d, int bs, int window,
                         float scale, float softcap, int heads_per_item,
                         const int64_t *items, int64_t n_items, int threads, int spin) {
     if (d % 8 || d > MAX_D || hq % hkv || heads_per_item < 1 || hkv % heads_per_item
         || (hq / hkv) * heads_per_item * QTILE > MAX_ROWS) return 1;
     Job j = {q, q_st, q_sh, out, o_st, o_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh,
-             bt, bt_s, seq_lens, qsl, sinks, hq, hkv, d, bs, window, heads_per_item, scale, softcap,
+             bt, bt_s, seq_lens, qsl, sinks, prefix, part_o, part_ml, hq, hkv, d, bs, window,
+             heads_per_item, scale, softcap,
              items, n_items, 0};
     if ((int64_t)threads > n_items) threads = (int)n_items;
     pool_run(attention_task, &j, threads, spin);
