@@ -6,12 +6,17 @@ whose block tables are a random scatter (as after a while of serving), with spar
     decode      256 sequences, one new token each, context uniform in 250-450 (mean ~350)
     prefill     8 fresh prompts of 512 tokens (a 4,096-token step)
     prefix      64 chunks of 64 tokens over one shared, cached 1,024-token prefix
+    prefix-decode  64 decodes over one shared 1,024-token prefix and ~100 tokens each of their own
     mixed       128 decodes (~350 context) + one 512-token chunk over 512 cached tokens
 
 Options (each checked against the reference, max |error| in the table):
 
     torch-ref    kernels/reference.py: per-step gather of every context, then SDPA (bool mask)
-    cpu          kernels/cpu_attention.py: the C kernel, K/V read in place via the block table
+    cpu          kernels/cpu_attention.py as the worker runs it: cascade groups and prefill chunks
+                 as matrix products (csrc/gemm_attention_cpu.c), the rest one sequence at a time
+                 (csrc/paged_attention_cpu.c), K/V read in place via the block table
+    cpu-per-seq  the same with every sequence on the per-sequence kernel (no cascade, no
+                 matrix products): the kernel before them
     sdpa-causal  fresh prefill only: gather, heads expanded, SDPA is_causal (no mask; the flash
                  CPU kernel)
     inductor     decode only, with --inductor: torch.compile of a gather-fused two-pass
@@ -59,6 +64,10 @@ def cases(quick: bool, gen: torch.Generator) -> dict[str, dict]:
     b = random_paged_batch([64] * k(64), [1088] * k(64), HQ, HKV, D, BS, generator=gen)
     b["block_tables"][:, :64] = b["block_tables"][0, :64]     # the shared prefix's blocks
     out["prefix"] = b
+    own = [1024 + rng.randint(64, 136) for _ in range(k(64))]
+    b = random_paged_batch([1] * len(own), own, HQ, HKV, D, BS, generator=gen)
+    b["block_tables"][:, :64] = b["block_tables"][0, :64]
+    out["prefix-decode"] = b
     mixed = [rng.randint(250, 450) for _ in range(k(128))]
     out["mixed"] = random_paged_batch([1] * len(mixed) + [512], mixed + [1024], HQ, HKV, D, BS, generator=gen)
     return out
@@ -77,6 +86,16 @@ def sdpa_causal(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sc
                                            is_causal=True, scale=scale)
         out[starts[s]:starts[s + 1]] = o.transpose(0, 1)
     return out
+
+
+def per_sequence(**b) -> torch.Tensor:
+    """cpu_attention with no cascade groups and no matrix-product prefill."""
+    saved = cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.PREFILL_MIN_TOKENS
+    cpu_attention.CASCADE_MIN_TOKENS = cpu_attention.PREFILL_MIN_TOKENS = 1 << 30
+    try:
+        return cpu_attention.paged_attention_cpu(**b)
+    finally:
+        cpu_attention.CASCADE_MIN_TOKENS, cpu_attention.PREFILL_MIN_TOKENS = saved
 
 
 def inductor_decode():
@@ -144,8 +163,9 @@ def main() -> None:
         sys.exit("cpu_attention: the C kernel did not build here (see the warning above)")
     gen = torch.Generator().manual_seed(0)
     batches = cases(args.quick, gen)
-    options: dict[str, Callable[..., torch.Tensor]] = {"torch-ref": paged_attention_ref, "cpu": cpu_attention.paged_attention_cpu,
-               "sdpa-causal": sdpa_causal}
+    options: dict[str, Callable[..., torch.Tensor]] = {
+        "torch-ref": paged_attention_ref, "cpu": cpu_attention.paged_attention_cpu, "cpu-per-seq": per_sequence,
+        "sdpa-causal": sdpa_causal}
     compile_s = None
     if args.inductor:
         options["inductor"] = inductor_decode()

@@ -14,8 +14,10 @@ Variants (--variants, default all):
     passive-mkl  OMP_WAIT_POLICY=PASSIVE (what gpu_worker sets before torch loads), F.linear
     passive      PASSIVE and fp32 linears through oneDNN (gpu_worker.models.parallel.dense_linear):
                  pagoda until the small-batch kernel
-    short-spin   GOMP_SPINCOUNT=1000 (a few microseconds of spin, then sleep), linears through
-                 kernels/cpu_gemv.py at 1-8 rows and oneDNN above: pagoda's defaults now
+    onednn       GOMP_SPINCOUNT=1000 (a few microseconds of spin, then sleep), linears through
+                 kernels/cpu_gemv.py at 1-8 rows and oneDNN above: pagoda until the C GEMM
+    short-spin   the same spin, linears through kernels/cpu_gemv.py at 1-8 rows and
+                 kernels/cpu_gemm.py above, on the kernels' pool: pagoda's defaults now
 
     python bench/cpu_forward.py                 # 2 threads, batch 64 x 350, prefill 2048
     python bench/cpu_forward.py --quick         # smoke run
@@ -35,6 +37,7 @@ VARIANTS = {"spin": {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": None, **MKL}
             "default": {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None, **MKL},
             "passive-mkl": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None, **MKL},
             "passive": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None, "PAGODA_CPU_GEMM": "onednn"},
+            "onednn": {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "1000", "PAGODA_CPU_GEMM": "onednn"},
             "short-spin": {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "1000", "PAGODA_CPU_GEMM": "auto"}}
 
 
