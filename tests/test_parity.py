@@ -90,3 +90,34 @@ def test_greedy_matches_transformers(hf_reference, family, setup):
             assert o.outputs[0].finish_reason == "stop"
         else:
             assert o.outputs[0].finish_reason == "length" and len(r) == g
+
+
+def test_a_shared_system_prompt_matches_transformers(tiny_model_factory, monkeypatch):
+    """Twelve requests behind one 100-token system prompt decode together: the CPU attention
+    forms a cascade group over the cached prompt's blocks (kernels/cpu_attention.py) and the
+    tokens still equal transformers' one prompt at a time."""
+    import torch
+    import transformers
+
+    from kernels import cpu_attention
+    path = tiny_model_factory("llama")
+    rng = random.Random(5)
+    system = [rng.randrange(5, 600) for _ in range(100)]
+    prompts = [system + [rng.randrange(5, 600) for _ in range(rng.randint(3, 20))] for _ in range(12)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        refs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=24, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    shared = []
+    plan = cpu_attention._plan
+
+    def spy(*args, **kwargs):
+        result = plan(*args, **kwargs)
+        if result.prefix is not None:
+            shared.append(int(result.prefix.max()))
+        return result
+    monkeypatch.setattr(cpu_attention, "_plan", spy)
+    llm = LLM(path, device="cpu", block_size=16, enable_prefix_caching=True)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert shared and max(shared) == 96          # six whole blocks of the system prompt
