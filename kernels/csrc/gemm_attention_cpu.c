@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "gemm_micro.h"
+#include "attention_cpu.h"
 #include "thread_pool.h"
 #include "vec.h"
 
@@ -36,11 +37,7 @@
 enum { TO_PARTIALS = 0, FINAL = 1, FINAL_MERGED = 2 };
 
 typedef struct {
-    const float *q; int64_t q_st, q_sh;
-    float *out; int64_t o_st, o_sh;
-    const float *k; int64_t k_sb, k_st, k_sh;
-    const float *v; int64_t v_sb, v_st, v_sh;
-    const int32_t *bt; int64_t bt_s;
+    Paged p;
     int hq, hkv, d, bs;
     float scale;
     int n_jobs;
@@ -71,7 +68,7 @@ static void pack_task(void *ctx, int id, int threads) {
     for (int64_t i = id; i < (int64_t)c->n_jobs * c->hkv; i += threads) {
         const int j = (int)(i / c->hkv), h = (int)(i % c->hkv);
         const int P = c->j_len[j], Pp = padded(P), klo = c->j_klo[j];
-        const int32_t *table = c->bt + (int64_t)c->j_rep[j] * c->bt_s;
+        const int32_t *table = c->p.bt + (int64_t)c->j_rep[j] * c->p.bt_s;
         float *kt = c->scratch + c->j_pack_off[j] + (int64_t)h * Pp * D * 2, *vp = kt + (int64_t)Pp * D;
         for (int t = 0; t < Pp; t++) {
             float *vrow = vp + (int64_t)t * D;
@@ -83,8 +80,8 @@ static void pack_task(void *ctx, int id, int threads) {
             }
             const int key = klo + t;
             const int64_t blk = table[key / c->bs], off = key % c->bs;
-            const float *kr = c->k + blk * c->k_sb + off * c->k_st + h * c->k_sh;
-            memcpy(vrow, c->v + blk * c->v_sb + off * c->v_st + h * c->v_sh, sizeof(float) * D);
+            const float *kr = c->p.k + blk * c->p.k_sb + off * c->p.k_st + h * c->p.k_sh;
+            memcpy(vrow, c->p.v + blk * c->p.v_sb + off * c->p.v_st + h * c->p.v_sh, sizeof(float) * D);
             for (int e = 0; e < D; e += 8) {
                 v8 x = load8(kr + e);
                 for (int u = 0; u < 8; u++) kcol[(e + u) * NR] = x[u];
@@ -115,7 +112,7 @@ static void run_item(Jobs *c, int64_t item, float *work) {
             continue;
         }
         const int row = r0 + r;
-        const float *src = c->q + (int64_t)toks[row / G] * c->q_st + (int64_t)(h * G + row % G) * c->q_sh;
+        const float *src = c->p.q + (int64_t)toks[row / G] * c->p.q_st + (int64_t)(h * G + row % G) * c->p.q_sh;
         for (int e = 0; e < D; e++) dst[e * MR] = src[e] * c->scale;
         mrow[r] = -INFINITY;
         lrow[r] = 0.0f;
@@ -179,18 +176,14 @@ static void run_item(Jobs *c, int64_t item, float *work) {
             c->part_ml[at * 2 + 1] = lrow[r];
             continue;
         }
-        float *dst = c->out + (int64_t)t * c->o_st + (int64_t)head * c->o_sh;
+        float *dst = c->p.out + (int64_t)t * c->p.o_st + (int64_t)head * c->p.o_sh;
         if (mode == FINAL) {
             const float inv = 1.0f / lrow[r];
             for (int e = 0; e < D; e++) dst[e] = orow[e] * inv;
             continue;
         }
-        /* out = (O1 e^(m1 - M) + O2 e^(m2 - M)) / (l1 e^(m1 - M) + l2 e^(m2 - M)) */
-        const float *po = c->part_o + at * D, m1 = c->part_ml[at * 2], l1 = c->part_ml[at * 2 + 1];
-        const float M = m1 > mrow[r] ? m1 : mrow[r];
-        const float a1 = expf(m1 - M), a2 = expf(mrow[r] - M);
-        const float norm = 1.0f / (l1 * a1 + lrow[r] * a2);
-        for (int e = 0; e < D; e++) dst[e] = (po[e] * a1 + orow[e] * a2) * norm;
+        merge_partials(dst, c->part_o + at * D, c->part_ml[at * 2], c->part_ml[at * 2 + 1], orow, mrow[r],
+                       lrow[r], D);
     }
 }
 
@@ -224,7 +217,7 @@ int gemm_attention_cpu(const float *q, int64_t q_st, int64_t q_sh, float *out, i
                        float *scratch, int64_t work_floats, const int64_t *items, int64_t n_first,
                        int64_t n_items, int threads) {
     if (d % NR || hq % hkv || n_jobs < 1 || bs < 1 || n_first > n_items) return 1;
-    Jobs c = {q, q_st, q_sh, out, o_st, o_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh, bt, bt_s,
+    Jobs c = {{q, q_st, q_sh, out, o_st, o_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh, bt, bt_s},
               hq, hkv, d, bs, scale, n_jobs, j_rep, j_klo, j_len, j_tok_off, j_pos0, j_mode, tok,
               j_pack_off, part_o, part_ml, scratch, work_floats, items, 0, 0};
     pool_run(pack_task, &c, n_jobs * hkv < threads ? n_jobs * hkv : threads, 1);

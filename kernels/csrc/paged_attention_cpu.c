@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_cpu.h"
 #include "thread_pool.h"
 #include "vec.h"
 
@@ -23,11 +24,7 @@
 #define MAX_D 256
 
 typedef struct {
-    const float *q; int64_t q_st, q_sh;
-    float *out; int64_t o_st, o_sh;
-    const float *k; int64_t k_sb, k_st, k_sh;
-    const float *v; int64_t v_sb, v_st, v_sh;
-    const int32_t *bt; int64_t bt_s;
+    Paged p;
     const int32_t *seq_lens, *qsl;
     const float *sinks;
     /* cascade (gemm_attention_cpu.c): keys before prefix[s] were attended as a shared
@@ -77,14 +74,14 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
     if (j->window > 0) { lo = first_pos + r0 - j->window + 1; if (lo < 0) lo = 0; }
     const int nk = hi - lo + 1;
     const int stride = (nk + 7) & ~7;
-    const int32_t *table = j->bt + s * j->bt_s;
+    const int32_t *table = j->p.bt + s * j->p.bt_s;
 
     float qbuf[MAX_ROWS * MAX_D] __attribute__((aligned(32)));
     /* row r = (local head hl, token t, group member g): hl * hrows + t * G + g */
     for (int hl = 0; hl < nh; hl++)
         for (int t = 0; t < nt; t++)
             for (int g = 0; g < G; g++) {
-                const float *src = j->q + (int64_t)(q0 + r0 + t) * j->q_st + (int64_t)((h0 + hl) * G + g) * j->q_sh;
+                const float *src = j->p.q + (int64_t)(q0 + r0 + t) * j->p.q_st + (int64_t)((h0 + hl) * G + g) * j->p.q_sh;
                 memcpy(qbuf + (hl * hrows + t * G + g) * D, src, sizeof(float) * D);
             }
 
@@ -95,8 +92,8 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
         int t1 = (b + 1) * bs - 1 > hi ? hi - b * bs : bs - 1;
         for (int hl = 0; hl < nh; hl++) {
         const int h = h0 + hl;
-        const float *kb = j->k + (int64_t)table[b] * j->k_sb + (int64_t)h * j->k_sh;
-        if (b + 2 <= hi / bs) prefetch_block(j->k + (int64_t)table[b + 2] * j->k_sb + (int64_t)h * j->k_sh, bs, j->k_st, D);
+        const float *kb = j->p.k + (int64_t)table[b] * j->p.k_sb + (int64_t)h * j->p.k_sh;
+        if (b + 2 <= hi / bs) prefetch_block(j->p.k + (int64_t)table[b + 2] * j->p.k_sb + (int64_t)h * j->p.k_sh, bs, j->p.k_st, D);
         for (int r = hl * hrows; r < (hl + 1) * hrows; r++) {
             const float *qr = qbuf + r * D;
             float *srow = scores + r * stride + b * bs - lo;
@@ -104,14 +101,14 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
             for (; t + 8 <= t1 + 1; t += 8) {
                 v8 acc[8];
                 for (int u = 0; u < 8; u++) {
-                    const float *kr = kb + (int64_t)(t + u) * j->k_st;
+                    const float *kr = kb + (int64_t)(t + u) * j->p.k_st;
                     acc[u] = load8(qr) * load8(kr);
                     for (int c = 8; c < D; c += 8) acc[u] += load8(qr + c) * load8(kr + c);
                 }
                 *(v8u *)(srow + t) = hsum8x8(acc) * vscale;
             }
             for (; t <= t1; t++) {
-                const float *kr = kb + (int64_t)t * j->k_st;
+                const float *kr = kb + (int64_t)t * j->p.k_st;
                 v8 acc = load8(qr) * load8(kr);
                 for (int c = 8; c < D; c += 8) acc += load8(qr + c) * load8(kr + c);
                 srow[t] = hsum8(acc) * j->scale;
@@ -157,15 +154,15 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
         int t1 = (b + 1) * bs - 1 > hi ? hi - b * bs : bs - 1;
         for (int hl = 0; hl < nh; hl++) {
         const int h = h0 + hl;
-        const float *vb = j->v + (int64_t)table[b] * j->v_sb + (int64_t)h * j->v_sh;
-        if (b + 2 <= hi / bs) prefetch_block(j->v + (int64_t)table[b + 2] * j->v_sb + (int64_t)h * j->v_sh, bs, j->v_st, D);
+        const float *vb = j->p.v + (int64_t)table[b] * j->p.v_sb + (int64_t)h * j->p.v_sh;
+        if (b + 2 <= hi / bs) prefetch_block(j->p.v + (int64_t)table[b + 2] * j->p.v_sb + (int64_t)h * j->p.v_sh, bs, j->p.v_st, D);
         for (int r = hl * hrows; r < (hl + 1) * hrows; r++) {
             const float *prow = scores + r * stride + b * bs - lo;
             float *ar = acc + r * D;
             v8 a[MAX_D / 8];
             for (int c = 0; c < D; c += 8) a[c / 8] = load8(ar + c);
             for (int t = t0; t <= t1; t++) {
-                const float *vr = vb + (int64_t)t * j->v_st;
+                const float *vr = vb + (int64_t)t * j->p.v_st;
                 v8 p = splat(prow[t]);
                 for (int c = 0; c < D; c += 8) a[c / 8] += load8(vr + c) * p;
             }
@@ -175,15 +172,11 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
     }
     for (int r = 0; r < rows; r++) {
         int t = (r % hrows) / G, g = r % G, h = h0 + r / hrows;
-        float *dst = j->out + (int64_t)(q0 + r0 + t) * j->o_st + (int64_t)(h * G + g) * j->o_sh;
+        float *dst = j->p.out + (int64_t)(q0 + r0 + t) * j->p.o_st + (int64_t)(h * G + g) * j->p.o_sh;
         if (j->prefix && j->prefix[s] > 0) {
-            /* out = (O1 e^(m1 - M) + O2 e^(m2 - M)) / (l1 e^(m1 - M) + l2 e^(m2 - M)) */
             const int64_t row = (int64_t)(q0 + r0 + t) * j->hq + h * G + g;
-            const float *po = j->part_o + row * D, m1 = j->part_ml[row * 2], l1 = j->part_ml[row * 2 + 1];
-            const float M = m1 > mx[r] ? m1 : mx[r];
-            const float a1 = expf(m1 - M), a2 = expf(mx[r] - M);
-            const float norm = 1.0f / (l1 * a1 + tot[r] * a2);
-            for (int c = 0; c < D; c++) dst[c] = (po[c] * a1 + acc[r * D + c] * a2) * norm;
+            merge_partials(dst, j->part_o + row * D, j->part_ml[row * 2], j->part_ml[row * 2 + 1], acc + r * D,
+                           mx[r], tot[r], D);
         } else {
             for (int c = 0; c < D; c++) dst[c] = acc[r * D + c] * inv[r];
         }
@@ -235,10 +228,9 @@ int paged_attention_cpu(const float *q, int64_t q_st, int64_t q_sh,
                         const int64_t *items, int64_t n_items, int threads, int spin) {
     if (d % 8 || d > MAX_D || hq % hkv || heads_per_item < 1 || hkv % heads_per_item
         || (hq / hkv) * heads_per_item * QTILE > MAX_ROWS) return 1;
-    Job j = {q, q_st, q_sh, out, o_st, o_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh,
-             bt, bt_s, seq_lens, qsl, sinks, prefix, part_o, part_ml, hq, hkv, d, bs, window,
-             heads_per_item, scale, softcap,
-             items, n_items, 0};
+    Job j = {{q, q_st, q_sh, out, o_st, o_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh, bt, bt_s},
+             seq_lens, qsl, sinks, prefix, part_o, part_ml, hq, hkv, d, bs, window, heads_per_item, scale,
+             softcap, items, n_items, 0};
     if ((int64_t)threads > n_items) threads = (int)n_items;
     pool_run(attention_task, &j, threads, spin);
     return 0;
