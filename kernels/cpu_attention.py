@@ -36,7 +36,7 @@ from kernels.reference import paged_attention_ref
 
 MAX_D, MAX_ROWS = 256, 256
 # A group shares at least this many keys with at least this many query tokens: below, packing
-# the shared keys costs about what sharing them saves (bench/cpu_attention.py).
+# the shared keys once is not worth a second pass (set by judgement, not tuned).
 CASCADE_MIN_KEYS = 64
 CASCADE_MIN_TOKENS = 8
 # A sequence's chunk of at least this many tokens runs as matrix products.
@@ -75,7 +75,8 @@ def _groups(tables: np.ndarray, lens: np.ndarray, starts: np.ndarray, bs: int) -
     """The step's cascade groups as (members, shared keys). Candidates are sequences with at
     least CASCADE_MIN_KEYS keys in whole blocks before their first query token; they group by
     their first block, and a group shares the blocks that every member's table has in the same
-    place, as far as every member's candidates reach."""
+    place, as far as every member's candidates reach. A prefill chunk alone forms no group: its
+    own job reads its whole context anyway."""
     q_lens = np.diff(starts)
     full = (lens - q_lens) // bs
     cand = np.flatnonzero(full * bs >= CASCADE_MIN_KEYS)
@@ -88,6 +89,8 @@ def _groups(tables: np.ndarray, lens: np.ndarray, starts: np.ndarray, bs: int) -
     groups = []
     for i in np.flatnonzero(tokens >= CASCADE_MIN_TOKENS):
         members = cand[firsts[i]:(bounds[i] if i < len(bounds) else len(cand))]
+        if len(members) == 1 and q_lens[members[0]] >= PREFILL_MIN_TOKENS:
+            continue
         reach = int(full[members].min())
         rows = tables[members, :reach]
         same = (rows == rows[0]).all(axis=0)
@@ -119,7 +122,7 @@ def _jobs(groups: list[tuple[np.ndarray, int]], own: np.ndarray, prefix: np.ndar
     toks = [np.concatenate([np.arange(starts[s], starts[s + 1]) for s in m]) for m, _ in groups]
     toks += [np.arange(starts[s], starts[s + 1]) for s in own]
     tok_off = np.concatenate(([0], np.cumsum([len(t) for t in toks]))).astype(np.int32)
-    padded = -(-np.array(keys, dtype=np.int64) // 16) * 16
+    padded = -(-np.array(keys, dtype=np.int64) // 16) * 16     # whole 16-key panels (NR, gemm_micro.h)
     pack_off = np.concatenate(([0], np.cumsum(padded * d * 2 * hkv))).astype(np.int64)
     chunks = -(-(np.diff(tok_off).astype(np.int64) * (hq // hkv)) // GEMM_ATTENTION_ROWS)  # as item_rows()
     job = np.repeat(np.arange(len(rep), dtype=np.int64), chunks)
@@ -139,8 +142,6 @@ def _plan(tables: torch.Tensor, lens: np.ndarray, starts: np.ndarray, bs: int, h
     q_lens = np.diff(starts)
     groups = _groups(tables.numpy(), lens, starts, bs) if gemm else []
     own = np.flatnonzero(q_lens >= PREFILL_MIN_TOKENS) if gemm else np.zeros(0, np.int64)
-    # A prefill chunk alone reads its context in its own job: nothing to share.
-    groups = [(m, n) for m, n in groups if len(m) > 1 or q_lens[m[0]] < PREFILL_MIN_TOKENS]
     prefix = np.zeros(len(lens), dtype=np.int32)
     for members, shared in groups:
         prefix[members] = shared
