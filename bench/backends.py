@@ -22,7 +22,7 @@ from bench.common import build_model, command_line, machine, set_threads, shareg
 
 
 def run_once(llm, workload) -> float:
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload.requests]
     start = time.perf_counter()
     outs = llm.generate([r.prompt for r in workload.requests], params)
@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "pagoda-bench-llama"))
     args = ap.parse_args(argv)
     set_threads(1)
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     path = build_model(args.model_dir + ("-quick" if args.quick else ""), quick=args.quick)
     workload = sharegpt_like(args.requests, 600, seed=0, scale=0.25 if args.quick else 1.0)
     # Pool sized for the whole batch at once: no preemption, both backends do the same work.

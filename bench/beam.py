@@ -67,8 +67,8 @@ def search(engine, prompts, params) -> tuple[list, int, int, float, int]:
 def drive(engine, prompts, width: int, max_tokens: int) -> tuple[list, int, int, float, int]:
     """vLLM's LLM.beam_search loop, written for this engine (ignore_eos): the same figures as
     search()."""
-    from gpu_worker import beam_search
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.features import beam_search
     one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
     beams = [[(list(p), 0.0)] for p in prompts]
     tokens = 0
@@ -110,10 +110,10 @@ def main(argv=None) -> int:
         a.rounds, a.prompts, a.prompt_len, a.max_tokens, a.layers, a.hidden = 1, 2, 40, 8, 2, 64
     import torch
     torch.set_num_threads(a.threads)
-    from gpu_worker.config import EngineConfig
-    from gpu_worker.engine import LLMEngine
-    from gpu_worker.sampling_params import SamplingParams
-    from gpu_worker.tiny_model import make_tiny_model
+    from pagoda.gpu_worker.core.config import EngineConfig
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.engine.llm_engine import LLMEngine
+    from pagoda.gpu_worker.testing.tiny_model import make_tiny_model
 
     tmp = tempfile.mkdtemp(prefix="beam-bench-")
     model = make_tiny_model(os.path.join(tmp, "model"), hidden_size=a.hidden, intermediate_size=a.hidden * 11 // 4,

@@ -28,7 +28,7 @@ QUICK_MODEL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
 
 def build_model(path: str, quick: bool = False) -> str:
     """A random Llama checkpoint at `path` (reused when already there)."""
-    from gpu_worker.tiny_model import make_tiny_model
+    from pagoda.gpu_worker.testing.tiny_model import make_tiny_model
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     return make_tiny_model(path, family="llama", seed=0, **(QUICK_MODEL if quick else BENCH_MODEL))

@@ -46,8 +46,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import command_line, machine, markdown_table, now  # noqa: E402
-from kernels import cpu_attention  # noqa: E402
-from kernels.reference import gather_kv, paged_attention_ref, random_paged_batch  # noqa: E402
+from pagoda.kernels import cpu_attention  # noqa: E402
+from pagoda.kernels.reference import gather_kv, paged_attention_ref, random_paged_batch  # noqa: E402
 
 HQ, HKV, D, BS = 8, 4, 64, 16
 

@@ -12,7 +12,7 @@ Variants (--variants, default all):
     default      libgomp's own wait policy (spins a while, then sleeps), F.linear: pagoda until
                  2026-12-03
     passive-mkl  OMP_WAIT_POLICY=PASSIVE (what gpu_worker sets before torch loads), F.linear
-    passive      PASSIVE and fp32 linears through oneDNN (gpu_worker.models.parallel.dense_linear):
+    passive      PASSIVE and fp32 linears through oneDNN (pagoda.gpu_worker.models.parallel.dense_linear):
                  pagoda until the small-batch kernel
     onednn       GOMP_SPINCOUNT=1000 (a few microseconds of spin, then sleep), linears through
                  kernels/cpu_gemv.py at 1-8 rows and oneDNN above: pagoda until the C GEMM
@@ -46,9 +46,9 @@ def child(args) -> None:
     sys.path.insert(0, REPO)
     import torch
     torch.set_num_threads(args.threads)
-    from gpu_worker.config import EngineConfig
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.outputs import NewRequest, ScheduledRequest, SchedulerOutput
+    from pagoda.gpu_worker.core.config import EngineConfig
+    from pagoda.gpu_worker.core.outputs import NewRequest, ScheduledRequest, SchedulerOutput
+    from pagoda.gpu_worker.runner.model_runner import ModelRunner
     r = ModelRunner(EngineConfig(model=args.model_dir, device="cpu", dtype="float32", max_num_seqs=256,
                                  max_num_batched_tokens=max(4096, args.prefill), max_model_len=2048))
     bs = r.block_size

@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import redis  # noqa: E402
 
 from bench.routing import LocalRedis  # noqa: E402
-from clients.client import AsyncPagodaClient  # noqa: E402
-from clients.up import DEFAULT_CACHE, default_model, free_port, wait_serving  # noqa: E402
-from protos import redis_schema as rs  # noqa: E402
+from pagoda.clients.client import AsyncPagodaClient  # noqa: E402
+from pagoda.clients.up import DEFAULT_CACHE, default_model, free_port, wait_serving  # noqa: E402
+from pagoda.protos import redis_schema as rs  # noqa: E402
 
 BLOCK = 16
 
@@ -76,7 +76,7 @@ class Stack:
         self.workers = []
         for i in range(2):
             port = free_port()
-            self._spawn(f"worker{i}", [sys.executable, "-m", "gpu_worker", "--model", model, "--device", "cpu",
+            self._spawn(f"worker{i}", [sys.executable, "-m", "pagoda.gpu_worker", "--model", model, "--device", "cpu",
                                        "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
                                        "--num-kv-blocks", str(num_kv_blocks), "--block-size", str(BLOCK),
                                        "--redis-url", redis_url, "--worker-id", f"bench-w{i}",
@@ -102,7 +102,7 @@ class Stack:
                 raise TimeoutError("workers never published their leases")
             time.sleep(0.1)
         port = self.router.rsplit(":", 1)[1]
-        proc = self._spawn("router", [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", port,
+        proc = self._spawn("router", [sys.executable, "-m", "pagoda.router", "--host", "127.0.0.1", "--port", port,
                                       "--metrics-port", "0", "--http-port", str(self.http_port),
                                       "--redis-url", self.redis_url,
                                       "--policy", self.policy, "--log-level", "WARNING"])

@@ -59,7 +59,7 @@ class Result:
 # ---- pagoda ------------------------------------------------------------------------------
 
 def run_pagoda(model_dir: str, wl: Workload, budget_blocks: int, args) -> Result:
-    from gpu_worker import LLM, SamplingParams
+    from pagoda.gpu_worker import LLM, SamplingParams
     llm = LLM(model=model_dir, device="cpu", block_size=args.block_size, num_kv_blocks=budget_blocks,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len)

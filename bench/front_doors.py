@@ -32,9 +32,9 @@ import grpc  # noqa: E402
 from bench.common import command_line, machine, markdown_table, now, set_threads  # noqa: E402
 from bench.e2e import Stack  # noqa: E402
 from bench.routing import LocalRedis  # noqa: E402
-from clients.up import DEFAULT_CACHE, default_model, free_port  # noqa: E402
-from protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc  # noqa: E402
+from pagoda.clients.up import DEFAULT_CACHE, default_model, free_port  # noqa: E402
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Hello?"}]
 LONG_STRING_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["text"],
@@ -114,9 +114,9 @@ async def _time_fronts(stack: Stack, url: str, a) -> list[list]:
 
 
 def constrained(model: str, a) -> list[list]:
-    from gpu_worker.llm import LLM
-    from gpu_worker.sampling_params import SamplingParams
-    from gpu_worker.structured_output import GrammarCompiler, GuidedSpec
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.engine.llm import LLM
+    from pagoda.gpu_worker.features.structured_output import GrammarCompiler, GuidedSpec
     llm = LLM(model=model, device="cpu", num_kv_blocks=a.batch * (a.tokens // 16 + 4), max_model_len=512)
     with open(os.path.join(model, "tokenizer.json"), encoding="utf-8") as f:
         compiler = GrammarCompiler(f.read(), llm.engine.vocab_size, llm.engine.eos_token_ids)

@@ -45,7 +45,7 @@ HBM_BYTES_PER_S = 4.3e12  # H200
 
 def make_checkpoint(path: str, shape: str) -> str:
     """config.json with the shape's dimensions and the tiny tokenizer; no weight files."""
-    from gpu_worker.tiny_model import make_tiny_model
+    from pagoda.gpu_worker.testing.tiny_model import make_tiny_model
     make_tiny_model(path, family="llama", **{**SHAPES["tiny"], "vocab_size": 1000})
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
@@ -59,13 +59,13 @@ def make_checkpoint(path: str, shape: str) -> str:
 
 def random_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, shard=None,
                  model_impl: str = "auto", quant=None) -> torch.nn.Module:
-    """Stands in for gpu_worker.loader.load_model: the real module tree (this rank's shard of it
+    """Stands in for pagoda.gpu_worker.runner.loader.load_model: the real module tree (this rank's shard of it
     under tensor parallelism; always the native model), random weights on device (unquantized:
     bench/quant.py measures quantized layers)."""
     if quant is not None:
         raise ValueError("quantization: bench/gpu_e2e.py builds unquantized random models")
-    from gpu_worker.models import model_class
-    from gpu_worker.models.parallel import Shard, sharding
+    from pagoda.gpu_worker.models import model_class
+    from pagoda.gpu_worker.models.parallel import Shard, sharding
     with torch.device("meta"), sharding(shard or Shard()):
         model = model_class(hf_config)(hf_config)
     model = model.to(dtype).to_empty(device=device)
@@ -85,7 +85,7 @@ def param_bytes(model: torch.nn.Module) -> int:
 
 def run_case(llm, batch: int, prompt_len: int, gen_len: int) -> dict:
     """Generate gen_len tokens for `batch` requests; time each engine step and its forward."""
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
     engine, runner = llm.engine, llm.engine.runner
     # (seconds or a pair of CUDA events, pure decode?). Events, not a synchronize: waiting here
     # would undo the overlap of async scheduling that the step times are to show.
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     import tempfile
 
-    from gpu_worker import LLM, model_runner
+    from pagoda.gpu_worker import LLM, model_runner
     model_runner.load_model = random_model  # type: ignore[assignment]
     rows = []
     with open(os.path.join(args.out, "e2e.jsonl"), "w") as log:

@@ -132,7 +132,7 @@ def dense_kv(b: dict, seq_lens: list[int]):
     """[B, Hkv, Lmax, D] contiguous K and V plus a [B, 1, 1, Lmax] validity mask (built untimed)."""
     import torch
 
-    from kernels.reference import gather_kv
+    from pagoda.kernels.reference import gather_kv
     lmax = max(seq_lens)
     ks, vs = [], []
     for i, n in enumerate(seq_lens):
@@ -212,9 +212,9 @@ def fmt_time(us, nbytes) -> list[str]:
 def check_correctness(B: Bench) -> bool:
     """Each kernel variant against the fp32 torch reference on Llama-shaped heads."""
     torch = B.torch
-    from kernels.reference import paged_attention_ref, write_kv_cache_ref
-    from kernels.triton_attention import paged_attention_triton
-    from kernels.triton_cache import write_kv_cache_triton
+    from pagoda.kernels.reference import paged_attention_ref, write_kv_cache_ref
+    from pagoda.kernels.triton_attention import paged_attention_triton
+    from pagoda.kernels.triton_cache import write_kv_cache_triton
     small = B.cpu
     cases = {
         "decode": ([1] * 4, [1, 16, 100, 333] if small else [1, 16, 3000, 9001]),
@@ -251,7 +251,7 @@ def check_correctness(B: Bench) -> bool:
 
 def decode_sweep(B: Bench) -> None:
     torch = B.torch
-    from kernels.triton_attention import _choose_splits, paged_attention_triton
+    from pagoda.kernels.triton_attention import _choose_splits, paged_attention_triton
     if B.cpu:
         grid = [(1, 40), (3, 70)]
     elif B.quick:
@@ -298,8 +298,8 @@ def prefill_sweep(B: Bench) -> None:
     torch = B.torch
     import torch.nn.functional as F
 
-    from kernels.reference import gather_kv
-    from kernels.triton_attention import paged_attention_triton
+    from pagoda.kernels.reference import gather_kv
+    from pagoda.kernels.triton_attention import paged_attention_triton
     if B.cpu:
         grid = [(1, 32, 32), (2, 16, 80)]
     elif B.quick:
@@ -352,8 +352,8 @@ def prefill_sweep(B: Bench) -> None:
 
 def fused_ops(B: Bench) -> None:
     torch = B.torch
-    from kernels.reference import add_rms_norm_ref, rotary_ref
-    from kernels.triton_norm import add_rms_norm_triton, rotary_triton
+    from pagoda.kernels.reference import add_rms_norm_ref, rotary_ref
+    from pagoda.kernels.triton_norm import add_rms_norm_triton, rotary_triton
     hidden = 256 if B.cpu else 4096
     rows = []
     for t in ([3] if B.cpu else [1, 64, 256, 2048, 8192]):
@@ -407,10 +407,10 @@ class Stack:
     def step(self, ids, positions, slots, b, caches, attention: str, fused: bool):
         import torch.nn.functional as F
 
-        from kernels.reference import add_rms_norm_ref, paged_attention_ref, rotary_ref, write_kv_cache_ref
-        from kernels.triton_attention import paged_attention_triton
-        from kernels.triton_cache import write_kv_cache_triton
-        from kernels.triton_norm import add_rms_norm_triton, rotary_triton
+        from pagoda.kernels.reference import add_rms_norm_ref, paged_attention_ref, rotary_ref, write_kv_cache_ref
+        from pagoda.kernels.triton_attention import paged_attention_triton
+        from pagoda.kernels.triton_cache import write_kv_cache_triton
+        from pagoda.kernels.triton_norm import add_rms_norm_triton, rotary_triton
         B = self.B
         norm = add_rms_norm_triton if fused else add_rms_norm_ref
         rope = rotary_triton if fused else rotary_ref

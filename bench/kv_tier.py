@@ -65,7 +65,7 @@ def first_token(engine, rid: str, prompt: list[int], salt: str, params) -> tuple
 def preemption(args, model_dir: str, vocab: int, device: str, common: dict, host_gib: float) -> str:
     """Swap against recompute: the same generations through a pool that holds about half of them
     at once; each variant twice, alternated. Returns the markdown table."""
-    from gpu_worker import LLM, SamplingParams
+    from pagoda.gpu_worker import LLM, SamplingParams
     rng = random.Random(args.seed + 7)
     n, prompt_len, out_len = (8, 32, 48) if args.quick else (32, 256, 256)
     prompts = [[rng.randrange(5, vocab) for _ in range(prompt_len)] for _ in range(n)]
@@ -124,7 +124,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     set_threads(args.threads)
-    from gpu_worker import LLM, SamplingParams
+    from pagoda.gpu_worker import LLM, SamplingParams
     device = "cuda" if args.gpu else "cpu"
     prefix_len = args.prefix_len or (96 if args.quick else 4096 if args.gpu else 1024)
     rounds = args.rounds or (2 if args.quick else 3)
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
     model_dir = args.model_dir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "pagoda-bench-" + (
         "quick" if args.quick else "llama-1b-shape" if args.gpu else "llama-8x512"))
     if args.gpu and not os.path.exists(os.path.join(model_dir, "config.json")):
-        from gpu_worker.tiny_model import make_tiny_model
+        from pagoda.gpu_worker.testing.tiny_model import make_tiny_model
         make_tiny_model(model_dir, family="llama", seed=0, **GPU_MODEL)
     else:
         build_model(model_dir, quick=args.quick)

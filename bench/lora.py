@@ -1,7 +1,7 @@
 """Multi-LoRA throughput: a batch with 0, 1 or 4 adapters mixed in, against the base model.
 
 CPU (default): the benchmark Llama (bench/common.py: 8 layers, hidden 512, fp32) and four random
-rank-16 PEFT adapters on all seven projections (gpu_worker.tiny_model.make_tiny_lora). Variants,
+rank-16 PEFT adapters on all seven projections (pagoda.gpu_worker.testing.tiny_model.make_tiny_lora). Variants,
 each decoding the same greedy batch (--batch prompts of --prompt-len tokens, --tokens new each):
 
   base          an engine without --enable-lora
@@ -44,9 +44,9 @@ def emit(line: str = "") -> None:
 def cpu_bench(args) -> None:
     import torch
 
-    from gpu_worker.llm import LLM
-    from gpu_worker.sampling_params import SamplingParams
-    from gpu_worker.tiny_model import make_tiny_lora
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.engine.llm import LLM
+    from pagoda.gpu_worker.testing.tiny_model import make_tiny_lora
     torch.set_num_threads(args.threads)
     root = args.model_dir or tempfile.mkdtemp(prefix="pagoda-lora-")
     src = build_model(os.path.join(root, "model"), quick=args.quick)
@@ -94,8 +94,8 @@ def gpu_bench(args) -> None:
     import torch
     import torch.nn.functional as F
 
-    from kernels.reference import lora_segments
-    from kernels.triton_lora import lora_expand_triton, lora_shrink_triton
+    from pagoda.kernels.reference import lora_segments
+    from pagoda.kernels.triton_lora import lora_expand_triton, lora_shrink_triton
     dev = torch.device("cuda")
     # fused projection: (in, [out slices])
     shapes = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [14336, 14336]),
@@ -124,7 +124,7 @@ def gpu_bench(args) -> None:
     for name, (k, outs) in shapes.items():
         n = sum(outs)
         w = torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
-        # As gpu_worker.lora.LoRAProjection holds them: the slices' A stacked, their B block-diagonal.
+        # As pagoda.gpu_worker.features.lora.LoRAProjection holds them: the slices' A stacked, their B block-diagonal.
         a = torch.randn(slots, len(outs) * r, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
         b = torch.randn(slots, n, len(outs) * r, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
         for m in (1, 16, 256):

@@ -86,7 +86,7 @@ def requests(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_pagoda(model_dir: str, prompts: list[list[int]], mode: str):
-    from gpu_worker import LLM, SamplingParams
+    from pagoda.gpu_worker import LLM, SamplingParams
     n = len(prompts)
     blocks = n * -(-(PROMPT + OUTPUT) // 16) + 16
     llm = LLM(model_dir, device="cpu", num_kv_blocks=blocks, max_num_seqs=max(n, 1),
@@ -130,7 +130,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "pagoda-bench-near-zero"))
     args = ap.parse_args(argv)
     set_threads(args.threads)
-    from gpu_worker.tiny_model import make_tiny_model
+    from pagoda.gpu_worker.testing.tiny_model import make_tiny_model
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
         make_tiny_model(args.model_dir, family="llama", seed=0, **NEAR_ZERO)
     import json

@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     set_threads(args.threads)
-    from gpu_worker import LLM, SamplingParams
+    from pagoda.gpu_worker import LLM, SamplingParams
     prefix_len = args.prefix_len or (128 if args.quick else 1024)
     n = args.num_requests or (4 if args.quick else 16)
     sweep = ([int(x) for x in args.sweep.split(",")] if args.sweep

@@ -1,7 +1,7 @@
 """Quantized weights: bytes held and decode speed per format, against the unquantized model.
 
 CPU (default): the benchmark Llama (bench/common.py: 8 layers, hidden 512, fp32) unquantized,
-with --quantization fp8 at load, and as pre-quantized checkpoints written by gpu_worker.tiny_quant
+with --quantization fp8 at load, and as pre-quantized checkpoints written by pagoda.gpu_worker.testing.tiny_quant
 (compressed-tensors fp8 per channel, vLLM fp8 with 128x128 blocks, GPTQ, AWQ and compressed-tensors
 int4, group 128).
 Every variant loads once; then rounds alternate the variants, each decoding the same greedy batch
@@ -54,9 +54,9 @@ def emit(line: str = "") -> None:
 def cpu_bench(args) -> None:
     import torch
 
-    from gpu_worker.llm import LLM
-    from gpu_worker.sampling_params import SamplingParams
-    from gpu_worker.tiny_quant import quantize_checkpoint
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.engine.llm import LLM
+    from pagoda.gpu_worker.testing.tiny_quant import quantize_checkpoint
     torch.set_num_threads(args.threads)
     root = args.model_dir or tempfile.mkdtemp(prefix="pagoda-quant-")
     src = build_model(os.path.join(root, "model"), quick=args.quick)
@@ -136,9 +136,9 @@ def gpu_bench(args) -> None:
     import torch
     import torch.nn.functional as F
 
-    from gpu_worker.quantization import fp8_scaled_mm
-    from kernels.quant_ref import pack_int4_rows, quantize_fp8_per_channel
-    from kernels.triton_quant import fp8_matmul_triton, int4_matmul_triton
+    from pagoda.gpu_worker.features.quantization import fp8_scaled_mm
+    from pagoda.kernels.quant_ref import pack_int4_rows, quantize_fp8_per_channel
+    from pagoda.kernels.triton_quant import fp8_matmul_triton, int4_matmul_triton
     dev = torch.device("cpu" if args.dry_run else "cuda")
     shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
     if args.quick:

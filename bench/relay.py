@@ -50,10 +50,10 @@ import grpc  # noqa: E402
 import redis  # noqa: E402
 
 from bench.routing import LocalRedis  # noqa: E402
-from clients.up import DEFAULT_CACHE, default_model, free_port, wait_serving  # noqa: E402
-from protos import redis_schema as rs  # noqa: E402
-from protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc  # noqa: E402
+from pagoda.clients.up import DEFAULT_CACHE, default_model, free_port, wait_serving  # noqa: E402
+from pagoda.protos import redis_schema as rs  # noqa: E402
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc  # noqa: E402
 
 FRONTS = ("worker", "grpc", "http", "direct", "floor", "grpc@base", "http@base")
 PROMPT = "Tell me a long story about the sea, the mountains and the stars."
@@ -121,7 +121,7 @@ class Stack:
             for i in range(a.workers):
                 port = free_port()
                 self._spawn(f"worker{i}@si{si}", [
-                    sys.executable, "-m", "gpu_worker", "--model", self.model, "--device", "cpu",
+                    sys.executable, "-m", "pagoda.gpu_worker", "--model", self.model, "--device", "cpu",
                     "--served-model-name", f"relay-si{si}", "--stream-interval", str(si),
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
                     "--num-kv-blocks", str(blocks), "--redis-url", self.redis_url,
@@ -145,7 +145,7 @@ class Stack:
         if a.compare:
             routers.append(("router@base", self.base_router, self.base_http_port, os.path.abspath(a.compare)))
         for name, address, http_port, path in routers:
-            proc = self._spawn(name, [sys.executable, "-m", "router", "--host", "127.0.0.1",
+            proc = self._spawn(name, [sys.executable, "-m", "pagoda.router", "--host", "127.0.0.1",
                                       "--port", address.rsplit(":", 1)[1], "--metrics-port", "0",
                                       "--http-port", str(http_port), "--redis-url", self.redis_url,
                                       "--log-level", "WARNING", *a.router_flags.split()], path)
@@ -200,7 +200,7 @@ class Fronts:
         self.base_url = f"http://127.0.0.1:{self.stack.base_http_port}/v1/completions"
         self.direct_client = None
         if "direct" in self.a.fronts:
-            from clients.client import AsyncPagodaClient
+            from pagoda.clients.client import AsyncPagodaClient
             self.direct_client = AsyncPagodaClient(self.stack.router, direct=True)
         return self
 

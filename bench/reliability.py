@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpc  # noqa: E402
 
 from bench.common import machine, markdown_table, now  # noqa: E402
-from clients import up  # noqa: E402
-from clients.client import PagodaClient  # noqa: E402
-from protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc  # noqa: E402
+from pagoda.clients import up  # noqa: E402
+from pagoda.clients.client import PagodaClient  # noqa: E402
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +72,7 @@ class Stack:
         self.workers = {}
         for i in range(2):
             port = up.free_port()
-            self.spawn(f"w{i}", [sys.executable, "-m", "gpu_worker", "--model", model, "--device", "cpu",
+            self.spawn(f"w{i}", [sys.executable, "-m", "pagoda.gpu_worker", "--model", model, "--device", "cpu",
                                  "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
                                  "--num-kv-blocks", str(blocks), "--redis-url", url, "--worker-id", f"w{i}",
                                  "--log-level", "WARNING"])
@@ -80,7 +80,7 @@ class Stack:
         for name, address in self.workers.items():
             up.wait_serving(address, self.procs[name], name, timeout)
         self.router, self.metrics_port = f"127.0.0.1:{up.free_port()}", up.free_port()
-        self.spawn("router", [sys.executable, "-m", "router", "--host", "127.0.0.1",
+        self.spawn("router", [sys.executable, "-m", "pagoda.router", "--host", "127.0.0.1",
                               "--port", self.router.rsplit(":", 1)[1], "--metrics-port", str(self.metrics_port),
                               "--http-port", "0", "--redis-url", url, "--log-level", "WARNING"])
         up.wait_serving(self.router, self.procs["router"], "router", timeout)

@@ -3,7 +3,7 @@
     python bench/routing.py [--quick] [--workers 4,8,16,32] [--workloads ...] [--plot DIR]
 
 For each workload, cluster size and policy, simulated workers (bench/sim/worker.py: continuous
-batching, paged KV, LRU prefix cache) publish through gpu_worker.publisher.Publisher to a
+batching, paged KV, LRU prefix cache) publish through pagoda.gpu_worker.serving.publisher.Publisher to a
 redis-server started here (or --redis-url), and the router's own Cluster / BlockIndex / Scorer
 read it back and decide. The oracle decides with exact, undelayed state (cache, load, the
 simulated GPU's true speed and the time until its queued prefill is computed) and the same cost
@@ -41,8 +41,8 @@ from bench.sim.policies import OraclePolicy, RouterPolicy, TokenCostPolicy  # no
 from bench.sim.simulate import Result, SimConfig, Simulation  # noqa: E402
 from bench.sim.worker import CostModel, SimWorker  # noqa: E402
 from bench.sim.workloads import WORKLOADS, make_workload  # noqa: E402
-from clients.up import find_redis_server, free_port, redis_command, wait_redis  # noqa: E402
-from protos.block_hash import namespace_root  # noqa: E402
+from pagoda.clients.up import find_redis_server, free_port, redis_command, wait_redis  # noqa: E402
+from pagoda.protos.block_hash import namespace_root  # noqa: E402
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "oracle")
 # Not run by default: v1's cost (before issue 16), and prefix_aware without SPREAD (before issue 25),

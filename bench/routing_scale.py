@@ -36,17 +36,17 @@ import tracemalloc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from protos.block_hash import block_hashes, namespace_root  # noqa: E402
-from protos.heap import freeze_heap  # noqa: E402
-from protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
-from protos.redis_schema import Lease  # noqa: E402
-from router.breaker import CircuitBreaker  # noqa: E402
-from router.channels import WorkerChannels  # noqa: E402
-from router.cluster import Cluster  # noqa: E402
-from router.index import BlockIndex  # noqa: E402
-from router.prepare import Pin, Preparer  # noqa: E402
-from router.scoring import Scorer  # noqa: E402
-from router.selection import Selector  # noqa: E402
+from pagoda.protos.block_hash import block_hashes, namespace_root  # noqa: E402
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
+from pagoda.protos.redis_schema import Lease  # noqa: E402
+from pagoda.router.breaker import CircuitBreaker  # noqa: E402
+from pagoda.router.channels import WorkerChannels  # noqa: E402
+from pagoda.router.cluster import Cluster  # noqa: E402
+from pagoda.router.index import BlockIndex  # noqa: E402
+from pagoda.router.prepare import Pin, Preparer  # noqa: E402
+from pagoda.router.scoring import Scorer  # noqa: E402
+from pagoda.router.selection import Selector  # noqa: E402
+from pagoda.runtime.heap import freeze_heap  # noqa: E402
 
 MODEL, BLOCK, DIGEST = "scale-model", 16, "0" * 32
 

@@ -37,7 +37,7 @@ def make_copy_model(path: str, successor: dict[int, int], seed: int = 0, mix: fl
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    from gpu_worker.tiny_model import make_tiny_model
+    from pagoda.gpu_worker.testing.tiny_model import make_tiny_model
     make_tiny_model(path, seed=seed, **overrides)
     f = os.path.join(path, "model.safetensors")
     w = load_file(f)
@@ -97,7 +97,7 @@ CONFIGS = [
 
 
 def run(engine, prompts, max_tokens, temperature=0.0):
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=1)
     outs: dict[str, list[int]] = {}
     cpu = []
@@ -127,8 +127,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
     torch.set_num_threads(1)
-    from gpu_worker.config import EngineConfig
-    from gpu_worker.engine import LLMEngine
+    from pagoda.gpu_worker.core.config import EngineConfig
+    from pagoda.gpu_worker.engine.llm_engine import LLMEngine
 
     vocab = 4096
     loads, successor = workloads(vocab, a.doc_len, a.requests)

@@ -2,7 +2,7 @@
 
 Benchmarks and eval harnesses count tokens by tokenizing the text they receive, chunk by chunk
 or whole, and compare texts. A token that decodes alone to U+FFFD (half a multi-byte character)
-breaks both. For gpu_worker.tiny_model's tokenizer this reports: the ordinary tokens that decode
+breaks both. For pagoda.gpu_worker.testing.tiny_model's tokenizer this reports: the ordinary tokens that decode
 alone to valid text, exact encode/decode round trips over varied text (non-ASCII included), and
 what a client that re-tokenizes each token's text counts, per real token.
 
@@ -26,7 +26,7 @@ TEXTS = [
 
 def main(argv=None) -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
-    from gpu_worker.tiny_model import build_tokenizer
+    from pagoda.gpu_worker.testing.tiny_model import build_tokenizer
     tok = build_tokenizer(add_bos=False)
     added = set(tok.get_added_tokens_decoder())
     specials = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}

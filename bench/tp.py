@@ -24,8 +24,8 @@ from bench.common import build_model, command_line, machine, markdown_table, now
 
 
 def run(path: str, tp: int, prompts: list[list[int]], max_tokens: int):
-    from gpu_worker.llm import LLM
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.engine.llm import LLM
     llm = LLM(path, device="cpu", enable_prefix_caching=False, tensor_parallel_size=tp)
     runner = llm.engine.runner
     steps: list[tuple[int, int]] = []          # (tokens, sampled rows) per step

@@ -121,7 +121,7 @@ def build_model(path: str, quick: bool) -> str:
     """The checkpoint at `path`, built when missing (the directory name carries the shape)."""
     if not os.path.exists(os.path.join(path, "config.json")):
         sys.path.insert(0, REPO)
-        from gpu_worker.tiny_model import make_tiny_model
+        from pagoda.gpu_worker.testing.tiny_model import make_tiny_model
         make_tiny_model(path, family="llama", seed=0, vocab_size=QUICK_VOCAB if quick else VOCAB,
                         **(QUICK_MODEL if quick else MODEL))
     return path
@@ -197,9 +197,9 @@ def run_pagoda(model: str, st: dict):
     gpu_worker = importlib.import_module("gpu_worker")
     import torch
     torch.set_num_threads(st["threads"])
-    from gpu_worker.config import EngineConfig
-    from gpu_worker.engine import LLMEngine
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.config import EngineConfig
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineConfig(
         model=model, device="cpu", dtype=st["dtype"], kv_cache_memory=st["kv_cache_bytes"],
         max_num_seqs=st["max_num_seqs"], max_num_batched_tokens=st["max_num_batched_tokens"],

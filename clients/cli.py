@@ -10,15 +10,15 @@ import json
 import os
 import sys
 
-_EXEC = {"worker": "gpu_worker", "router": "router", "make-tiny-model": "gpu_worker.tiny_model"}
+_EXEC = {"worker": "pagoda.gpu_worker", "router": "pagoda.router", "make-tiny-model": "pagoda.gpu_worker.testing.tiny_model"}
 USAGE = """usage: pagoda COMMAND [ARGS]
 
 commands:
-  worker            run a GPU worker (python -m gpu_worker; see `pagoda worker --help`)
-  router            run a router (python -m router)
+  worker            run a GPU worker (python -m pagoda.gpu_worker; see `pagoda worker --help`)
+  router            run a router (python -m pagoda.router)
   up                run a local cluster: redis, a router and workers
   generate          stream a completion from a router or worker
-  make-tiny-model   write a tiny random checkpoint (python -m gpu_worker.tiny_model)
+  make-tiny-model   write a tiny random checkpoint (python -m pagoda.gpu_worker.testing.tiny_model)
 """
 
 
@@ -63,7 +63,7 @@ def _chunk_json(c) -> str:
 def run_generate(argv: list[str]) -> int:
     import grpc
 
-    from clients.client import PagodaClient
+    from pagoda.clients.client import PagodaClient
     a = generate_parser().parse_args(argv)
     metadata = []
     for item in a.metadata:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         # exec, not subprocess: signals (SIGTERM drain) reach the server directly.
         os.execv(sys.executable, [sys.executable, "-m", _EXEC[cmd], *rest])
     if cmd == "up":
-        from clients.up import main as up_main
+        from pagoda.clients.up import main as up_main
         return up_main(rest) or 0
     if cmd == "generate":
         return run_generate(rest)

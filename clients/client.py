@@ -26,9 +26,9 @@ from typing import AsyncGenerator, AsyncIterator, Iterator, Optional, Sequence
 
 import grpc
 
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-from protos.security import GRANT_HEADER
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.runtime.security import GRANT_HEADER
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 _SAMPLING = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)

@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.lifetime import PARENT_PID_ENV
+from pagoda.runtime.lifetime import PARENT_PID_ENV
 
 DEFAULT_CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
 
@@ -100,7 +100,7 @@ def default_model(cache_dir: Path) -> str:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=cache_dir))
     print(f"pagoda up: building the tiny model in {target} (once)", flush=True)
-    subprocess.run([sys.executable, "-m", "gpu_worker.tiny_model", str(tmp / "m")], check=True,
+    subprocess.run([sys.executable, "-m", "pagoda.gpu_worker.testing.tiny_model", str(tmp / "m")], check=True,
                    stdout=subprocess.DEVNULL)   # it prints the path, which is not where the model ends up
     try:
         os.rename(tmp / "m", target)
@@ -140,7 +140,7 @@ class Cluster:
 
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")
-        # The servers end with this process even when it is killed outright (protos.serving.die_with_parent).
+        # The servers end with this process even when it is killed outright (pagoda.runtime.serving.die_with_parent).
         env = {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.workers < 1:
         print("pagoda up: --workers must be at least 1", file=sys.stderr)
         return 2
-    from protos.serving import StartupError, check_port_free
+    from pagoda.runtime.serving import StartupError, check_port_free
     try:                                 # before building or starting anything
         check_port_free(a.host, a.port, "--port")
         check_port_free(a.host, a.router_metrics_port, "--router-metrics-port")
@@ -225,13 +225,13 @@ def _run(a, cluster: Cluster) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     router_port = a.port or free_port(a.host)
     http_port = free_port(a.host) if a.http_port is None else a.http_port
-    cluster.spawn("router", [sys.executable, "-m", "router", "--host", a.host, "--port", str(router_port),
+    cluster.spawn("router", [sys.executable, "-m", "pagoda.router", "--host", a.host, "--port", str(router_port),
                                       "--http-port", str(http_port), "--redis-url", redis_url, "--policy", a.policy,
                                       "--metrics-port", str(a.router_metrics_port)], env)
     pending = {}
     for i in range(a.workers):
         port, metrics = free_port(a.host), 0 if a.no_worker_metrics else free_port(a.host)
-        cmd = [sys.executable, "-m", "gpu_worker", "--model", model, "--host", a.host, "--port", str(port),
+        cmd = [sys.executable, "-m", "pagoda.gpu_worker", "--model", model, "--host", a.host, "--port", str(port),
                "--redis-url", redis_url, "--worker-id", f"worker-{i}", "--metrics-port", str(metrics),
                "--device", a.device]
         if a.num_kv_blocks:
@@ -272,8 +272,8 @@ def _serving(address: str) -> bool:
 
 def _router_ready(address: str) -> bool:
     """The router can serve: it answers and knows a live worker (GetModelInfo goes through one)."""
-    from protos.pagoda.v1 import pagoda_pb2 as pb
-    from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+    from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+    from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
     with grpc.insecure_channel(address) as ch:
         try:
             pb_grpc.GenerationStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=1.0)

@@ -18,20 +18,20 @@ import sys
 if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
     os.environ["GOMP_SPINCOUNT"] = "1000"
 
-from gpu_worker.sampling_params import SamplingParams  # noqa: E402
+from pagoda.gpu_worker.core.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "AsyncLLM", "EngineConfig"]
 
 
 def __getattr__(name):
-    # Lazy, so `python -m gpu_worker.tiny_model` and the sampling params stay light.
+    # Lazy, so `python -m pagoda.gpu_worker.testing.tiny_model` and the sampling params stay light.
     if name == "LLM":
-        from gpu_worker.llm import LLM
+        from pagoda.gpu_worker.engine.llm import LLM
         return LLM
     if name == "AsyncLLM":
-        from gpu_worker.async_llm import AsyncLLM
+        from pagoda.gpu_worker.serving.async_llm import AsyncLLM
         return AsyncLLM
     if name == "EngineConfig":
-        from gpu_worker.config import EngineConfig
+        from pagoda.gpu_worker.core.config import EngineConfig
         return EngineConfig
     raise AttributeError(name)

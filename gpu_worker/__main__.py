@@ -1,11 +1,11 @@
-"""`python -m gpu_worker --model DIR ...`: one worker process (flags in gpu_worker/args.py)."""
+"""`python -m pagoda.gpu_worker --model DIR ...`: one worker process (flags in gpu_worker/serving/args.py)."""
 import asyncio
 import logging
 import os
 import sys
 
-from gpu_worker.args import build_parser
-from protos.lifetime import die_with_parent
+from pagoda.gpu_worker.serving.args import build_parser
+from pagoda.runtime.lifetime import die_with_parent
 
 
 def main(argv=None) -> int:
@@ -16,8 +16,8 @@ def main(argv=None) -> int:
         parser.error(f"--model: {args.model!r} is not a checkpoint directory (no config.json)")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from gpu_worker.server import serve
-    from protos.serving import StartupError
+    from pagoda.gpu_worker.serving.server import serve
+    from pagoda.runtime.serving import StartupError
     try:
         return asyncio.run(serve(args))
     except StartupError as e:   # a taken port, a missing certificate: one line saying what to change
@@ -29,5 +29,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from protos.serving import exit_now
+    from pagoda.runtime.serving import exit_now
     exit_now(main())

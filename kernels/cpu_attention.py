@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.cpu_lib import GEMM_ATTENTION_ROWS, GEMV_MAX_M, QTILE, available, kernel_threads, load_library
-from kernels.reference import paged_attention_ref
+from pagoda.kernels.cpu_lib import GEMM_ATTENTION_ROWS, GEMV_MAX_M, QTILE, available, kernel_threads, load_library
+from pagoda.kernels.reference import paged_attention_ref
 
 MAX_D, MAX_ROWS = 256, 256
 # A group shares at least this many keys with at least this many query tokens: below, packing

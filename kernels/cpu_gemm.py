@@ -1,7 +1,7 @@
 """fp32 linears of more than a few rows on a CPU: kernels/csrc/gemm_cpu.c on the kernels' pool.
 
 The weight is packed once into 16-column panels (pack, cached per parameter by the caller:
-gpu_worker.models.parallel) and every call multiplies the rows with it in 6 x 16 register tiles
+pagoda.gpu_worker.models.parallel) and every call multiplies the rows with it in 6 x 16 register tiles
 (csrc/gemm_micro.h). At a step's batch sizes this runs as fast as oneDNN's fp32 matmul, and on
 the same thread pool as the attention and elementwise kernels: the pool's threads stay awake
 from one kernel of a step to the next, where oneDNN's OpenMP threads fell asleep between calls
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_lib import kernel_threads, load_library
+from pagoda.kernels.cpu_lib import kernel_threads, load_library
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_lib import GEMV_MAX_M, kernel_threads, load_library
+from pagoda.kernels.cpu_lib import GEMV_MAX_M, kernel_threads, load_library
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

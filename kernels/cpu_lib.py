@@ -10,7 +10,7 @@ through ctypes, which releases the GIL.
 
 PAGODA_CPU_SPIN_US (default 1000): how long a pool thread spins after a kernel before it
 sleeps: after every kernel when the step's GEMMs run on the pool too (set_spin_always, the
-default of gpu_worker.models.parallel), else only after a small step's (a decode of at most
+default of pagoda.gpu_worker.models.parallel), else only after a small step's (a decode of at most
 GEMV_MAX_M tokens), so that no spinner holds a core that torch's OpenMP GEMM threads want.
 Waking a sleeping thread costs up to half a millisecond on a virtual machine, and a step's
 kernels come tens to hundreds of microseconds apart (csrc/thread_pool.h). 0: never spin.

@@ -3,7 +3,7 @@ embedding, the KV-cache write and SiLU(gate) * up, each one call into csrc/small
 CPU kernels' library, kernels/cpu_lib.py) instead of a chain of torch ops: one pass over the rows
 instead of four to eight, no per-op dispatch, rows split over the kernels' thread pool.
 
-Same contracts as kernels.reference's add_rms_norm_ref, rotary_ref (here in place, as the Triton
+Same contracts as pagoda.kernels.reference's add_rms_norm_ref, rotary_ref (here in place, as the Triton
 twin), write_kv_cache_ref, and F.silu(gate) * up. fp32 rows on the CPU with a contiguous last
 dimension; anything else goes to the reference.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_lib import kernel_threads, load_library
-from kernels.reference import add_rms_norm_ref, rotary_ref, write_kv_cache_ref
+from pagoda.kernels.cpu_lib import kernel_threads, load_library
+from pagoda.kernels.reference import add_rms_norm_ref, rotary_ref, write_kv_cache_ref
 
 
 def _fp32_cpu(*ts: torch.Tensor) -> bool:

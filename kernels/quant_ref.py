@@ -1,6 +1,6 @@
 """Plain-torch quantized-weight matmuls: the CPU path, and the oracle the CUDA paths are tested against.
 
-Two weight layouts, whatever format the checkpoint came in (gpu_worker/quantization.py converts):
+Two weight layouts, whatever format the checkpoint came in (gpu_worker/features/quantization.py converts):
 - fp8 (e4m3): weight [N, K] fp8 with fp32 scales, per output channel [N] or per block
   [ceil(N / bn), ceil(K / bk)] (block (i, j) covers rows i*bn.., columns j*bk..).
   W = fp8 * scale.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8 import FP8_DTYPE, FP8_MAX
+from pagoda.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
 _TINY = 1e-12     # floor for a scale: an all-zero row quantises to zeros, not NaN
 

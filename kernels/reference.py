@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from pagoda.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

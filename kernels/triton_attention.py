@@ -1,6 +1,6 @@
 """Triton paged attention for mixed batches: prefill chunks over a cached prefix, and decode.
 
-Same contract as kernels.reference.paged_attention_ref (layout described there). Design:
+Same contract as pagoda.kernels.reference.paged_attention_ref (layout described there). Design:
 - One program per (query tile, KV head[, KV split]). A query tile holds BLOCK_Q tokens of one
   sequence times all query heads of the KV head's GQA group, so the group shares every K/V load.
 - Query tiles of all sequences are numbered without a host sync: sequence s owns tiles
@@ -24,14 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import for_tensor
+from pagoda.kernels.launch import for_tensor
 
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps exp2(m_old - m_new) at 1, not NaN, for empty rows
 _LOG2E = 1.4426950408889634
 
 
 # Step-varying integers: specialising them (a value of 1 becomes a constant, multiples of 16 get
-# a divisibility hint) would compile new variants mid-serving (gpu_worker/warmup.py).
+# a divisibility hint) would compile new variants mid-serving (gpu_worker/runner/warmup.py).
 STEP_VARYING = ("num_seqs", "num_tokens", "stride_bt")
 
 
@@ -241,7 +241,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's paged KV; returns out [T, Hq, D].
 
-    sliding_window / softcap / sinks as in kernels.reference.paged_attention_ref.
+    sliding_window / softcap / sinks as in pagoda.kernels.reference.paged_attention_ref.
 
     Optional, keyword only: num_splits forces the split-KV segment count (default: chosen from
     the batch shape and the GPU's SM count); max_seq_len, if the caller knows it, keeps short

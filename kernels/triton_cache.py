@@ -1,6 +1,6 @@
 """Triton cache write: scatter a step's new K and V rows into the paged KV pool.
 
-Same contract as kernels.reference.write_kv_cache_ref: key/value [T, Hkv, D] (any strides, e.g.
+Same contract as pagoda.kernels.reference.write_kv_cache_ref: key/value [T, Hkv, D] (any strides, e.g.
 views into a fused QKV output), caches [num_blocks, block_size, Hkv, D], slot_mapping [T] with
 -1 for tokens that must not be written (padding, or tokens whose KV is already cached).
 """
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import for_tensor
+from pagoda.kernels.launch import for_tensor
 
 
 @triton.jit

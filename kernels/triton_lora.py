@@ -1,4 +1,4 @@
-"""Batched multi-LoRA on CUDA: the segment matmuls of kernels.reference.lora_shrink_ref /
+"""Batched multi-LoRA on CUDA: the segment matmuls of pagoda.kernels.reference.lora_shrink_ref /
 lora_expand_ref as two Triton kernels (Punica's SGMV shape: tokens grouped by adapter).
 
 Both launch one program per (adapter group, BLOCK_M of its rows[, BLOCK_N of outputs]); a group's
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import for_tensor
-from kernels.reference import LoRASegments
+from pagoda.kernels.launch import for_tensor
+from pagoda.kernels.reference import LoRASegments
 
 BLOCK_M = 16
 

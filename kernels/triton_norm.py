@@ -1,6 +1,6 @@
 """Optional fused small ops for the model path: residual add + RMSNorm, and rotary embedding.
 
-Same contracts as kernels.reference.add_rms_norm_ref / rotary_ref. Each replaces a chain of
+Same contracts as pagoda.kernels.reference.add_rms_norm_ref / rotary_ref. Each replaces a chain of
 elementwise torch ops (several kernel launches and round trips through memory per layer) with
 one pass; whether that matters is for bench/kernels.py on a GPU to show.
 """
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import for_tensor
+from pagoda.kernels.launch import for_tensor
 
 
 @triton.jit

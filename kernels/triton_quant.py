@@ -8,7 +8,7 @@ per-channel layers torch._scaled_mm cannot take (fp16 activations, dims not mult
 
 int4 (int4_matmul_triton):
 
-Contract: kernels.quant_ref.int4_linear_ref (without bias): x [..., K] in fp32, fp16 or bf16;
+Contract: pagoda.kernels.quant_ref.int4_linear_ref (without bias): x [..., K] in fp32, fp16 or bf16;
 qweight int32 [K/8, N] (row 8i + j in bits 4j), zeros uint8 [G, N], scales [G, N] (any float
 dtype), g_idx int32 [K]. Each program owns a BLOCK_M x BLOCK_N tile of y and walks K in
 BLOCK_K steps: it loads the packed words of its K rows (eight rows share a word), shifts out each
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import for_tensor
+from pagoda.kernels.launch import for_tensor
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -1,6 +1,6 @@
 """Regenerates the committed Python stubs from the .proto files.
 
-Run `python -m protos.gen` after editing a .proto; a test regenerates into a temporary
+Run `python -m pagoda.protos.gen` after editing a .proto; a test regenerates into a temporary
 folder and compares, so stale stubs fail CI.
 """
 import pathlib
@@ -9,8 +9,12 @@ import sys
 import grpc_tools
 from grpc_tools import protoc
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PROTOS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "protos").rglob("*.proto"))
+import pagoda
+
+# The folder that holds the `pagoda` package: .proto files are named from there
+# (pagoda/protos/pagoda/v1/pagoda.proto), so the stubs import each other as pagoda.protos.*.
+ROOT = pathlib.Path(pagoda.__file__).parent.parent
+PROTOS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "pagoda" / "protos").rglob("*.proto"))
 
 
 def generate(out_dir: pathlib.Path) -> None:

@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
 
-from protos.block_hash import DIGEST_SIZE
+from pagoda.protos.block_hash import DIGEST_SIZE
 
 PREFIX = "pagoda:v1"
 LEASE_PATTERN = f"{PREFIX}:lease:*"
@@ -154,7 +154,7 @@ _LEASE_BOUNDS = {"prefill_tps": (0.0, 1e9), "decode_tps": (0.0, 1e9), "step_s": 
 MAX_LEASE_BYTES = 48 << 10
 MAX_TEXT = 512                      # worker ids, model names, addresses
 MAX_LORA_ADAPTERS = 64              # names in each of a lease's adapter lists
-MAX_ADAPTER_NAME = 256              # as protos.limits' max_id_bytes
+MAX_ADAPTER_NAME = 256              # as pagoda.protos.limits' max_id_bytes
 _MAX_INT = (1 << 63) - 1
 
 

@@ -1,6 +1,6 @@
 """`python -m router`: run one router process (flags in router/args.py)."""
-from protos.serving import exit_now
-from router.server import main
+from pagoda.router.server import main
+from pagoda.runtime.serving import exit_now
 
 if __name__ == "__main__":
     exit_now(main())

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import argparse
 
-from protos import limits, security
-from router.scoring import POLICIES
-from router.tools import PARSERS
+from pagoda.protos import limits
+from pagoda.router.scoring import POLICIES
+from pagoda.router.tools import PARSERS
+from pagoda.runtime import security
 
 
 def build_parser() -> argparse.ArgumentParser:

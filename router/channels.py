@@ -7,10 +7,10 @@ from typing import Iterable
 
 import grpc
 
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-from protos.redis_schema import Lease
-from protos.serving import CLIENT_KEEPALIVE
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.protos.redis_schema import Lease
+from pagoda.runtime.serving import CLIENT_KEEPALIVE
 
 CHANNEL_OPTIONS = CLIENT_KEEPALIVE + [("grpc.enable_retries", 0), ("grpc.initial_reconnect_backoff_ms", 100),
                                       ("grpc.max_reconnect_backoff_ms", 1000),

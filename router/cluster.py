@@ -28,9 +28,9 @@ from typing import Any, Awaitable, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from protos import redis_schema as rs
-from router.index import BlockIndex
-from router.scoring import WorkerState
+from pagoda.protos import redis_schema as rs
+from pagoda.router.index import BlockIndex
+from pagoda.router.scoring import WorkerState
 
 log = logging.getLogger(__name__)
 _ERRORS = (RedisError, OSError, asyncio.TimeoutError)

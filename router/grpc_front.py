@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import grpc
 
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.security import identity
-from router.errors import RouterError
-from router.pipeline import Pipeline
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.router.errors import RouterError
+from pagoda.router.pipeline import Pipeline
+from pagoda.runtime.security import identity
 
 SERVICE = "pagoda.v1.Generation"
 

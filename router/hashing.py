@@ -1,4 +1,4 @@
-"""A prompt's block hashes (protos.block_hash's chain) with the leading blocks of recent prompts reused.
+"""A prompt's block hashes (pagoda.protos.block_hash's chain) with the leading blocks of recent prompts reused.
 
 Each decision hashes every full block of its prompt, one BLAKE2b per block, and that is the
 largest single cost of a decision. Prompts repeat their beginnings: a system prompt or few-shot
@@ -26,7 +26,7 @@ from array import array
 from collections import OrderedDict
 from typing import Sequence
 
-from protos.block_hash import _PERSON, DIGEST_SIZE
+from pagoda.protos.block_hash import _PERSON, DIGEST_SIZE
 
 
 class PromptHasher:
@@ -47,12 +47,12 @@ class PromptHasher:
         return len(self._hashes)
 
     def hashes(self, token_ids: Sequence[int], block_size: int, root: bytes) -> tuple[bytes, ...]:
-        """protos.block_hash.block_hashes(token_ids, block_size, root), as a tuple."""
+        """pagoda.protos.block_hash.block_hashes(token_ids, block_size, root), as a tuple."""
         n = len(token_ids) // block_size
         if n <= 0:
             return ()
         head = struct.pack("<I", block_size) + root
-        # protos.block_hash's bytes (each id a little-endian uint32), packed by array: no
+        # pagoda.protos.block_hash's bytes (each id a little-endian uint32), packed by array: no
         # argument tuple of every id as struct.pack takes (a tenth of a decision's hashing).
         body = array("I")
         body.fromlist(token_ids if isinstance(token_ids, list) else list(token_ids))   # faster than array(..., ids)

@@ -11,7 +11,7 @@ of the whole index.
 Out of the cyclic garbage collector's way: a million blocks are a million entries that a full
 collection would walk (tens of milliseconds, a third of the mean decision cost at 32 workers).
 The per-worker collections are dicts of bytes, which CPython stops tracking; the one ordered
-dict is frozen with the rest of the router's startup heap (protos.heap.freeze_heap, which
+dict is frozen with the rest of the router's startup heap (pagoda.runtime.heap.freeze_heap, which
 Router.start calls once built).
 
 A worker's own dict also marks its speculative blocks (with their deadline; None once reported),

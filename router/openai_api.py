@@ -27,11 +27,11 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from router import tools
-from router.errors import RouterError
-from router.pipeline import Pipeline
-from router.tools import ToolError, ToolPlan, chat_messages
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.router import tools
+from pagoda.router.errors import RouterError
+from pagoda.router.pipeline import Pipeline
+from pagoda.router.tools import ToolError, ToolPlan, chat_messages
 
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
                 grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAUTHENTICATED: 401,

@@ -9,18 +9,18 @@ from typing import AsyncGenerator
 
 import grpc
 
-from protos.limits import Limits
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.security import GrantSigner, Identity, KeyRing
-from router.breaker import CircuitBreaker
-from router.channels import WorkerChannels
-from router.cluster import Cluster
-from router.errors import RouterError
-from router.metrics import RouterMetrics
-from router.prepare import Pin, Prepared, Preparer
-from router.proxy import Proxy
-from router.scoring import Scorer
-from router.selection import Selector
+from pagoda.protos.limits import Limits
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.router.breaker import CircuitBreaker
+from pagoda.router.channels import WorkerChannels
+from pagoda.router.cluster import Cluster
+from pagoda.router.errors import RouterError
+from pagoda.router.metrics import RouterMetrics
+from pagoda.router.prepare import Pin, Prepared, Preparer
+from pagoda.router.proxy import Proxy
+from pagoda.router.scoring import Scorer
+from pagoda.router.selection import Selector
+from pagoda.runtime.security import GrantSigner, Identity, KeyRing
 
 _decode = pb.GenerateResponse.FromString
 
@@ -58,7 +58,7 @@ class Pipeline:
 
     async def route(self, request: pb.GenerateRequest, ident: Identity | None = None) -> pb.RouteResponse:
         """Direct mode: prepare and rank as open() does, credit the best worker as the proxy
-        would, and answer where it is with a grant for this request (protos/security.py). The
+        would, and answer where it is with a grant for this request (runtime/security.py). The
         caller then streams from the worker; failing that, it comes back through Generate."""
         if self.signer is None and self.keyring is not None:
             raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,

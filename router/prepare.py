@@ -6,7 +6,7 @@ digest its workers advertise (workers advertising another are left out), the pro
 once (in a thread), its length checked against max_model_len, and the prompt's block hashes
 computed in the request's namespace, the tenant folded into its cache salt as the worker will fold
 it (the worker scopes salt and request id itself, for the tenant the router names in its call:
-protos/security.py).
+runtime/security.py).
 Everything refused here is a RouterError naming the field, and no worker has been asked for
 anything but its tokenizer.
 """
@@ -21,17 +21,17 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos.block_hash import namespace_root
-from protos.limits import Limits, check_fits, check_request
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.security import Identity, scoped_id, scoped_salt, tenant_metadata
-from protos.tokenization import PromptTokenizer, encode_prompt, prompt_field, tokenizer_digest
-from router.breaker import CircuitBreaker
-from router.channels import WorkerChannels
-from router.cluster import Cluster
-from router.errors import RouterError
-from router.hashing import PromptHasher
-from router.scoring import WorkerState
+from pagoda.protos.block_hash import namespace_root
+from pagoda.protos.limits import Limits, check_fits, check_request
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.router.breaker import CircuitBreaker
+from pagoda.router.channels import WorkerChannels
+from pagoda.router.cluster import Cluster
+from pagoda.router.errors import RouterError
+from pagoda.router.hashing import PromptHasher
+from pagoda.router.scoring import WorkerState
+from pagoda.runtime.security import Identity, scoped_id, scoped_salt, tenant_metadata
+from pagoda.runtime.tokenization import PromptTokenizer, encode_prompt, prompt_field, tokenizer_digest
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Preparer:
                  limits: Limits = Limits()):
         self.cluster, self.channels, self.breaker, self.limits = cluster, channels, breaker, limits
         self.hasher = PromptHasher()
-        self._roots: dict[tuple[str, str, str], bytes] = {}     # namespace -> protos.block_hash root
+        self._roots: dict[tuple[str, str, str], bytes] = {}     # namespace -> pagoda.protos.block_hash root
         self._pins: dict[str, Pin] = {}
         self._pin_locks: dict[str, asyncio.Lock] = {}
         self._known_models: set[str] = set()

@@ -22,15 +22,15 @@ from typing import AsyncGenerator
 
 import grpc
 
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from router.breaker import CircuitBreaker
-from router.channels import WorkerChannels
-from router.errors import CLIENT_ERRORS, RouterError, caller_field
-from router.metrics import RouterMetrics
-from router.prepare import Prepared
-from router.scoring import Choice, WorkerState
-from router.selection import Selector
-from router.stream_check import BadStream, StreamChecker
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.router.breaker import CircuitBreaker
+from pagoda.router.channels import WorkerChannels
+from pagoda.router.errors import CLIENT_ERRORS, RouterError, caller_field
+from pagoda.router.metrics import RouterMetrics
+from pagoda.router.prepare import Prepared
+from pagoda.router.scoring import Choice, WorkerState
+from pagoda.router.selection import Selector
+from pagoda.router.stream_check import BadStream, StreamChecker
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Which worker gets a request: per-worker state as the router sees it, and the three policies.
 
 The cost is time, in seconds, from the speed each worker measures and reports in its lease
-(gpu_worker/step_rates.py): a step costs  s + p / Rp + d / Rd  for p prompt tokens and d
+(gpu_worker/serving/step_rates.py): a step costs  s + p / Rp + d / Rd  for p prompt tokens and d
 decoding sequences, carrying at most B tokens. For worker w, a request of P prompt tokens of
 which C are cached on w, D sequences decoding there (running + waiting + credits - those ended
 since the report) and O the expected output length (a moving average of finished requests,
@@ -90,8 +90,8 @@ from typing import Sequence
 
 import numpy as np
 
-from protos.redis_schema import Lease
-from router.index import BlockIndex
+from pagoda.protos.redis_schema import Lease
+from pagoda.router.index import BlockIndex
 
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")
 BALANCE = 1.5                 # how far past the mean load a cache hit may keep a worker

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from router.breaker import CircuitBreaker
-from router.scoring import Choice, Scorer, WorkerState
+from pagoda.router.breaker import CircuitBreaker
+from pagoda.router.scoring import Choice, Scorer, WorkerState
 
 
 class Selector:

@@ -18,24 +18,24 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import serving
-from protos.heap import freeze_heap
-from protos.lifetime import die_with_parent
-from protos.limits import Limits
-from protos.metrics_http import start_metrics_server
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.security import AuthInterceptor, GrantSigner, KeyRing, channel_credentials, read_key, server_credentials
-from protos.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
-from router.channels import WorkerChannels
-from router.cluster import Cluster
-from router.grpc_front import RouterService, add_to_server
-from router.index import BlockIndex
-from router.metrics import RouterMetrics
-from router.pipeline import Pipeline
-from router.scoring import Scorer
+from pagoda.protos.limits import Limits
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.router.channels import WorkerChannels
+from pagoda.router.cluster import Cluster
+from pagoda.router.grpc_front import RouterService, add_to_server
+from pagoda.router.index import BlockIndex
+from pagoda.router.metrics import RouterMetrics
+from pagoda.router.pipeline import Pipeline
+from pagoda.router.scoring import Scorer
+from pagoda.runtime import serving
+from pagoda.runtime.heap import freeze_heap
+from pagoda.runtime.lifetime import die_with_parent
+from pagoda.runtime.metrics_http import start_metrics_server
+from pagoda.runtime.security import AuthInterceptor, GrantSigner, KeyRing, channel_credentials, read_key, server_credentials
+from pagoda.runtime.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
 
 if TYPE_CHECKING:                   # imported only when serving HTTP (aiohttp)
-    from router.openai_api import OpenAIFront
+    from pagoda.router.openai_api import OpenAIFront
 
 log = logging.getLogger(__name__)
 SYNC_SERVICE = "pagoda.router.RedisSync"
@@ -87,7 +87,7 @@ class Router:
         for service in ("", name):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.http_port:
-            from router.openai_api import OpenAIFront
+            from pagoda.router.openai_api import OpenAIFront
             self.http = OpenAIFront(self.pipeline, self.args.tool_call_parser)
             await self.http.start(self.host, self.http_port)
         self._sync_health = asyncio.create_task(self._report_sync())
@@ -141,7 +141,7 @@ async def _serve(a) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from router.args import build_parser
+    from pagoda.router.args import build_parser
     a = build_parser().parse_args(argv)
     die_with_parent()
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -19,7 +19,7 @@ UNAVAILABLE naming the worker.
 """
 from __future__ import annotations
 
-from protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 
 _FINISH_REASONS = {pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_ABORT}
 _decode = pb.GenerateResponse.FromString

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from gpu_worker.async_llm import AsyncLLM, QueueFullError
-from gpu_worker.config import EngineConfig
-from gpu_worker.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.serving.async_llm import AsyncLLM, QueueFullError
 
 pytestmark = pytest.mark.usefixtures("no_block_leaks", "one_torch_thread")
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from gpu_worker.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("no_block_leaks", "one_torch_thread")
 
@@ -161,7 +161,7 @@ def test_abort_while_a_step_is_in_flight(tiny_llm_factory):
 def test_cuda_async_scheduling_equals_synchronous(tiny_model):
     """On CUDA auto means on: the launch returns while the GPU runs, and the outputs still equal the
     synchronous engine's (the CPU twin above checks the same order without a GPU)."""
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     prompts = [rand_ids(20 + 5 * i, 40 + i) for i in range(4)]
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0, logprobs=1)
     runs = {}

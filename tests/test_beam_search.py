@@ -1,11 +1,11 @@
-"""Beam search (gpu_worker/beam_search.py): the engine's beams equal a brute-force beam search
+"""Beam search (gpu_worker/features/beam_search.py): the engine's beams equal a brute-force beam search
 over transformers' full logits, width 1 is greedy, beams share KV blocks by reference count
 with copy-on-write of the partial block, and nothing leaks (also after an abort)."""
 import pytest
 
-from gpu_worker.beam_search import BeamSearchParams, Candidate, beam_score, candidates, select
-from gpu_worker.outputs import Logprob, TokenLogprobs
-from gpu_worker.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.outputs import Logprob, TokenLogprobs
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.features.beam_search import BeamSearchParams, Candidate, beam_score, candidates, select
 
 pytestmark = pytest.mark.usefixtures("no_block_leaks", "one_torch_thread")
 
@@ -246,7 +246,7 @@ def _check_copy_blocks(llm):
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_copy_blocks_cpu(tiny_model, kv_dtype):
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     _check_copy_blocks(LLM(tiny_model, device="cpu", block_size=8, num_kv_blocks=16, kv_cache_dtype=kv_dtype))
 
 
@@ -266,7 +266,7 @@ def test_beam_search_on_cuda_matches_cpu(tiny_model):
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     params = BeamSearchParams(beam_width=4, max_tokens=16)
     cpu = LLM(tiny_model, device="cpu", block_size=16).beam_search(PROMPTS, params)
     cuda_llm = LLM(tiny_model, device="cuda", dtype="float32", block_size=16, num_kv_blocks=128)
@@ -281,9 +281,9 @@ def test_beam_search_on_cuda_matches_cpu(tiny_model):
 
 
 def test_fork_shares_blocks_and_copies_the_partial_one_on_write():
-    from gpu_worker.kv_cache_manager import KVCacheManager
-    from gpu_worker.request import Request
-    from protos.block_hash import namespace_root
+    from pagoda.gpu_worker.core.kv_cache_manager import KVCacheManager
+    from pagoda.gpu_worker.core.request import Request
+    from pagoda.protos.block_hash import namespace_root
     kv = KVCacheManager(16, 4)
     parent = Request("p", [1, 2, 3, 4, 5, 6], SamplingParams(), 4, namespace_root("m"))
     assert [b.block_id for b in kv.allocate_slots(parent, 6)] == [0, 1]
@@ -326,11 +326,11 @@ def test_fork_shares_blocks_and_copies_the_partial_one_on_write():
 def test_ready_beams_make_room_when_nothing_else_can_run():
     """The scheduler's way out: every sequence slot is held by ready beams and their sibling
     waits; the last ready beam leaves (blocks and row freed, its candidates kept)."""
-    from gpu_worker.kv_cache_manager import KVCacheManager
-    from gpu_worker.outputs import ModelRunnerOutput
-    from gpu_worker.request import Request, RequestStatus
-    from gpu_worker.scheduler import Scheduler
-    from protos.block_hash import namespace_root
+    from pagoda.gpu_worker.core.kv_cache_manager import KVCacheManager
+    from pagoda.gpu_worker.core.outputs import ModelRunnerOutput
+    from pagoda.gpu_worker.core.request import Request, RequestStatus
+    from pagoda.gpu_worker.core.scheduler import Scheduler
+    from pagoda.protos.block_hash import namespace_root
     s = Scheduler(KVCacheManager(32, 4), 2, 64)
     beams = [Request(f"b{i}", [1 + i, 2, 3], SamplingParams(logprobs=2), 4, namespace_root("m")) for i in range(3)]
     for b in beams:

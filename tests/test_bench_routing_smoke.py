@@ -16,7 +16,7 @@ from bench.sim.policies import RouterPolicy
 from bench.sim.simulate import SimConfig, Simulation
 from bench.sim.worker import CostModel, SimWorker
 from bench.sim.workloads import make_workload
-from protos.block_hash import namespace_root
+from pagoda.protos.block_hash import namespace_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

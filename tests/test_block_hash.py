@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from protos.block_hash import DIGEST_SIZE, block_hashes, hash_block, namespace_root
+from pagoda.protos.block_hash import DIGEST_SIZE, block_hashes, hash_block, namespace_root
 
 VECTORS = Path(__file__).parent / "data" / "block_hash_vectors.json"
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def test_namespaces_never_collide():
 
 
 def test_separate_processes_agree():
-    code = ("import json,sys;from protos.block_hash import namespace_root,block_hashes;"
+    code = ("import json,sys;from pagoda.protos.block_hash import namespace_root,block_hashes;"
             "c=json.load(open(sys.argv[1]))['cases'];"
             "print(json.dumps([[h.hex() for h in block_hashes(x['token_ids'],x['block_size'],"
             "namespace_root(x['model'],x['adapter'],x['cache_salt']))] for x in c]))")

@@ -1,7 +1,7 @@
 """BlockPool: exact block ids, ref counts, free-list order and cache events on a tiny pool."""
 import pytest
 
-from gpu_worker.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from pagoda.gpu_worker.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 
 
 def free_ids(pool):

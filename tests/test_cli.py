@@ -9,7 +9,7 @@ from tests.plugins.servers import ROOT, free_port
 
 
 def pagoda(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "clients.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pagoda.clients.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -31,7 +31,7 @@ def test_worker_dispatches_to_python_m_gpu_worker():
 
 
 def test_worker_flag_parsing_is_torch_free():
-    code = ("import sys; from gpu_worker.args import build_parser, engine_config_kwargs;"
+    code = ("import sys; from pagoda.gpu_worker.serving.args import build_parser, engine_config_kwargs;"
             "a = build_parser().parse_args(['--model', '/m', '--kv-cache-memory', '2GiB', '--no-prefix-caching']);"
             "kw = engine_config_kwargs(a); assert kw['kv_cache_memory'] == '2GiB' and not kw['enable_prefix_caching'];"
             "assert 'torch' not in sys.modules")

@@ -9,9 +9,9 @@ from concurrent import futures
 import grpc
 import pytest
 
-from clients import AsyncPagodaClient, PagodaClient, build_request
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.clients import AsyncPagodaClient, PagodaClient, build_request
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 
 
 class ScriptedGeneration(pb_grpc.GenerationServicer):

@@ -25,9 +25,9 @@ import grpc
 import pytest
 import yaml
 
-from clients.up import wait_serving
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.clients.up import wait_serving
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 from tests.plugins.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,7 +180,7 @@ class Containers:
 
 
 class ContainerProcess:
-    """A container seen as clients.up.wait_serving sees a process: poll() is None while it runs."""
+    """A container seen as pagoda.clients.up.wait_serving sees a process: poll() is None while it runs."""
 
     def __init__(self, containers: Containers, name: str):
         self.containers, self.name, self.returncode = containers, name, None

@@ -3,10 +3,10 @@ its fallbacks to the reference for what it does not take."""
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_lib
-from kernels.cpu_attention import paged_attention_cpu
-from kernels.fp8 import FP8_DTYPE, quantize_fp8
-from kernels.reference import paged_attention_ref, random_paged_batch
+from pagoda.kernels import cpu_attention, cpu_lib
+from pagoda.kernels.cpu_attention import paged_attention_cpu
+from pagoda.kernels.fp8 import FP8_DTYPE, quantize_fp8
+from pagoda.kernels.reference import paged_attention_ref, random_paged_batch
 from tests.test_reference import dense_attention
 
 
@@ -105,7 +105,7 @@ def test_what_the_kernel_does_not_take_goes_to_the_reference():
 
 
 def test_no_compiler_falls_back_to_the_reference(tmp_path, monkeypatch, caplog):
-    from gpu_worker.attention import select_backend
+    from pagoda.gpu_worker.models.attention import select_backend
     monkeypatch.setenv("CC", str(tmp_path / "no-cc"))
     monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
     cpu_attention.load_library.cache_clear()

@@ -37,16 +37,16 @@ def probe(first: str, **env) -> tuple[str, str, float]:
 
 
 def test_waiting_threads_sleep():
-    policy, spin, idle_cpu = probe("import gpu_worker")
+    policy, spin, idle_cpu = probe("import pagoda.gpu_worker")
     assert (policy, spin) == ("None", "1000") and idle_cpu < 0.02
 
 
 def test_own_policy_kept():
     # ACTIVE keeps the other thread spinning through the main thread's sleep.
-    policy, spin, idle_cpu = probe("import gpu_worker", OMP_WAIT_POLICY="ACTIVE")
+    policy, spin, idle_cpu = probe("import pagoda.gpu_worker", OMP_WAIT_POLICY="ACTIVE")
     assert (policy, spin) == ("ACTIVE", "None") and idle_cpu > 0.05
     # and a spin count of one's own
-    assert probe("import gpu_worker", GOMP_SPINCOUNT="5")[:2] == ("None", "5")
+    assert probe("import pagoda.gpu_worker", GOMP_SPINCOUNT="5")[:2] == ("None", "5")
 
 
 def test_torch_first_left_alone():
@@ -55,7 +55,7 @@ def test_torch_first_left_alone():
 
 
 def test_dense_linear_matches_f_linear():
-    from gpu_worker.models.parallel import _POOL, dense_linear
+    from pagoda.gpu_worker.models.parallel import _POOL, dense_linear
     assert _POOL       # the default: the C kernels (they build on the test machine)
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(300, 96, generator=g), torch.randn(300, generator=g)
@@ -73,7 +73,7 @@ def test_dense_linear_matches_f_linear():
 
 
 def test_cpu_gemm_flag_checked():
-    out = subprocess.run([sys.executable, "-c", "import gpu_worker.models.parallel"], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", "import pagoda.gpu_worker.models.parallel"], capture_output=True,
                          text=True, cwd=ROOT, timeout=120, env={**os.environ, "PAGODA_CPU_GEMM": "mkl"})
     assert out.returncode != 0 and "PAGODA_CPU_GEMM: must be one of auto, onednn, torch (got 'mkl')" in out.stderr
 
@@ -83,7 +83,8 @@ def test_cpu_gemm_choice(gemm):
     env = {k: v for k, v in os.environ.items() if k != "PAGODA_CPU_GEMM"}
     if gemm:
         env["PAGODA_CPU_GEMM"] = gemm
-    out = subprocess.run([sys.executable, "-c", "from gpu_worker.models.parallel import _ONEDNN, _POOL; print(_ONEDNN, _POOL)"],
+    code = "from pagoda.gpu_worker.models.parallel import _ONEDNN, _POOL; print(_ONEDNN, _POOL)"
+    out = subprocess.run([sys.executable, "-c", code],
                          capture_output=True, text=True, cwd=ROOT, timeout=120, env=env, check=True)
     assert out.stdout.split() == [str(gemm == "onednn"), str(gemm in ("auto", None))]
 
@@ -91,7 +92,7 @@ def test_cpu_gemm_choice(gemm):
 def test_large_batches_use_the_packed_weight_and_follow_its_writes():
     import gc
 
-    from gpu_worker.models import parallel
+    from pagoda.gpu_worker.models import parallel
     g = torch.Generator().manual_seed(4)
     w = torch.nn.Parameter(torch.randn(300, 96, generator=g))
     x = torch.randn(40, 96, generator=g)

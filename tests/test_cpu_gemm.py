@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm, cpu_lib
+from pagoda.kernels import cpu_gemm, cpu_lib
 
 
 def test_library_builds():

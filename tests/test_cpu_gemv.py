@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemv, cpu_lib
-from kernels.cpu_gemv import small_linear
+from pagoda.kernels import cpu_gemv, cpu_lib
+from pagoda.kernels.cpu_gemv import small_linear
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +56,7 @@ def test_refused_shapes_go_elsewhere():
 
 
 def test_dense_linear_takes_it_for_small_batches():
-    from gpu_worker.models.parallel import _POOL, dense_linear
+    from pagoda.gpu_worker.models.parallel import _POOL, dense_linear
     assert _POOL
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 40, generator=g)
@@ -91,7 +91,7 @@ SCRIPT = """
 import os, sys, time
 import torch
 torch.set_num_threads(2)
-from kernels.cpu_gemv import small_linear
+from pagoda.kernels.cpu_gemv import small_linear
 w, x = torch.randn(4096, 512), torch.randn(1, 512)
 want = x @ w.t()
 assert torch.allclose(small_linear(x, w), want, rtol=1e-5, atol=1e-4)   # the pool starts

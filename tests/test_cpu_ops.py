@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_lib
-from kernels.cpu_ops import add_rms_norm_cpu, rotary_cpu, silu_mul_cpu, write_kv_cache_cpu
-from kernels.reference import add_rms_norm_ref, new_kv_cache, rotary_ref, write_kv_cache_ref
+from pagoda.kernels import cpu_lib
+from pagoda.kernels.cpu_ops import add_rms_norm_cpu, rotary_cpu, silu_mul_cpu, write_kv_cache_cpu
+from pagoda.kernels.reference import add_rms_norm_ref, new_kv_cache, rotary_ref, write_kv_cache_ref
 
 
 def test_library_builds():

@@ -4,9 +4,9 @@ exactly as a replay reads them; the GPU test compares replays with eager steps."
 import pytest
 import torch
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.cuda_graphs import DecodeGraphs, StaticBatch, capture_sizes, padded_size
-from gpu_worker.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.runner.cuda_graphs import DecodeGraphs, StaticBatch, capture_sizes, padded_size
 from tests.plugins.engine import Chunk, fresh_step
 
 
@@ -41,7 +41,7 @@ def prepare(runner, chunks):
 
 
 def test_padded_staged_step_equals_the_unpadded_step(tiny_model):
-    from gpu_worker.model_runner import ModelRunner
+    from pagoda.gpu_worker.runner.model_runner import ModelRunner
     r = ModelRunner(EngineConfig(model=tiny_model, device="cpu", block_size=8, num_kv_blocks=16))
     r.allocate_kv_cache(16)
     gen = torch.Generator().manual_seed(0)
@@ -76,7 +76,7 @@ def test_padded_staged_step_equals_the_unpadded_step(tiny_model):
 
 
 def test_only_pure_decode_steps_replay(tiny_model):
-    from gpu_worker.model_runner import ModelRunner
+    from pagoda.gpu_worker.runner.model_runner import ModelRunner
     r = ModelRunner(EngineConfig(model=tiny_model, device="cpu", block_size=8, num_kv_blocks=16))
     assert r.graphs is None and not r.uses_graphs()  # CPU: always eager
     graphs = DecodeGraphs(r.model, 2, r.max_model_len, 8, torch.device("cpu"))  # not captured
@@ -87,7 +87,7 @@ def test_only_pure_decode_steps_replay(tiny_model):
 
 
 def test_enforce_eager_flag():
-    from gpu_worker.args import build_parser, engine_config_kwargs
+    from pagoda.gpu_worker.serving.args import build_parser, engine_config_kwargs
     on = build_parser().parse_args(["--model", "m", "--enforce-eager"])
     assert engine_config_kwargs(on)["enforce_eager"] is True
     assert engine_config_kwargs(build_parser().parse_args(["--model", "m"]))["enforce_eager"] is False
@@ -96,7 +96,7 @@ def test_enforce_eager_flag():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_matches_eager_gpu(tiny_model):
-    from gpu_worker.model_runner import ModelRunner
+    from pagoda.gpu_worker.runner.model_runner import ModelRunner
     eager = ModelRunner(EngineConfig(model=tiny_model, device="cuda", dtype="float32", num_kv_blocks=64,
                                      max_num_seqs=8, enforce_eager=True))
     graphed = ModelRunner(EngineConfig(model=tiny_model, device="cuda", dtype="float32", num_kv_blocks=64,

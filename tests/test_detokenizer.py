@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from gpu_worker.detokenizer import Detokenizer
-from protos.tokenization import PromptTokenizer
+from pagoda.gpu_worker.core.detokenizer import Detokenizer
+from pagoda.runtime.tokenization import PromptTokenizer
 
 TEXTS = [
     "Hello 東京は日本の首都です。🙂🚀 élèves Über",

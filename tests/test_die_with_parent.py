@@ -1,4 +1,4 @@
-"""Servers end with the process that started them (protos.serving.die_with_parent): a `pagoda up`
+"""Servers end with the process that started them (pagoda.runtime.serving.die_with_parent): a `pagoda up`
 or a test run killed outright leaves no worker or router behind."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-from protos.lifetime import PARENT_PID_ENV
+from pagoda.runtime.lifetime import PARENT_PID_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVER = "from protos.lifetime import die_with_parent; die_with_parent(); import time; time.sleep(30)"
+SERVER = "from pagoda.runtime.lifetime import die_with_parent; die_with_parent(); import time; time.sleep(30)"
 # A stand-in for `pagoda up` or a fixture: starts the "server" from a thread that ends at once (as
 # fixtures do from pool threads), with its own pid in the environment, says the server's pid, then
 # waits to be killed.
@@ -68,6 +68,6 @@ def test_a_server_whose_parent_is_already_gone_ends_at_once():
 
 def test_without_the_variable_nothing_changes():
     env = {k: v for k, v in _env().items() if k != PARENT_PID_ENV}
-    code = "from protos.lifetime import die_with_parent; die_with_parent(); print('alive')"
+    code = "from pagoda.runtime.lifetime import die_with_parent; die_with_parent(); print('alive')"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=20)
     assert done.returncode == 0 and done.stdout.strip() == "alive"

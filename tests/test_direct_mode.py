@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from clients import AsyncPagodaClient, PagodaClient
-from clients.up import free_port
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-from protos.security import GRANT_HEADER
+from pagoda.clients import AsyncPagodaClient, PagodaClient
+from pagoda.clients.up import free_port
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.runtime.security import GRANT_HEADER
 from tests.test_router import metric, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -203,7 +203,7 @@ def test_the_cli_streams_direct(router):
     import os
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "clients.cli", "generate", "--target", router.address, "--direct",
+    r = subprocess.run([sys.executable, "-m", "pagoda.clients.cli", "generate", "--target", router.address, "--direct",
                         "--api-key", "alice-key", "Once upon a time", "--max-tokens", "5", "--temperature", "0",
                         "--json"], capture_output=True, text=True, timeout=60,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

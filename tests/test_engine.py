@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from gpu_worker.sampling_params import SamplingParams
-from protos.block_hash import block_hashes, namespace_root
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.protos.block_hash import block_hashes, namespace_root
 
 pytestmark = pytest.mark.usefixtures("no_block_leaks", "one_torch_thread")
 
@@ -324,7 +324,7 @@ def test_engine_freezes_its_heap_out_of_the_cyclic_gc(tiny_model):
     tokenizer, imports) is frozen once built so that those collections do not walk it."""
     import gc
 
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     gc.unfreeze()
     llm = LLM(tiny_model, device="cpu", num_kv_blocks=16)
     try:

@@ -9,8 +9,8 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients import AsyncPagodaClient
-from protos import redis_schema as rs
+from pagoda.clients import AsyncPagodaClient
+from pagoda.protos import redis_schema as rs
 
 pytestmark = pytest.mark.slow
 

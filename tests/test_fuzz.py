@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clients import PagodaClient
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.clients import PagodaClient
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 from tests.test_router import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -1,12 +1,12 @@
-"""Direct mode's grants (protos/security.py) and the router's credit for a direct request
+"""Direct mode's grants (runtime/security.py) and the router's credit for a direct request
 (router/scoring.py), in process: exact answers on hand-built requests, no I/O."""
 import grpc
 import pytest
 
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.redis_schema import Lease
-from protos.security import GrantError, GrantSigner, GrantVerifier, Identity, KeyRing
-from router.scoring import WorkerState
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.redis_schema import Lease
+from pagoda.router.scoring import WorkerState
+from pagoda.runtime.security import GrantError, GrantSigner, GrantVerifier, Identity, KeyRing
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ def dashboard(values) -> dict | None:
 
 def exported_names() -> set[str]:
     """Every series name a router and a worker (with either prefix) export, suffixes included."""
-    from gpu_worker.metrics import WorkerMetrics
-    from gpu_worker.outputs import EngineStats
-    from router.cluster import Cluster
-    from router.index import BlockIndex
-    from router.metrics import RouterMetrics
+    from pagoda.gpu_worker.core.outputs import EngineStats
+    from pagoda.gpu_worker.serving.metrics import WorkerMetrics
+    from pagoda.router.cluster import Cluster
+    from pagoda.router.index import BlockIndex
+    from pagoda.router.metrics import RouterMetrics
     # Every optional part on (speculation, a host KV tier, multi-LoRA), so that all series show.
     stats = EngineStats(running=0, waiting=0, queued_prefill_tokens=0, num_blocks=1, free_blocks=1, kv_usage=0.0,
                         prefix_cache_queries=0, prefix_cache_hits=0, preemptions=0, prompt_tokens=0,

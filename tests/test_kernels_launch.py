@@ -15,8 +15,8 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from kernels import launch, triton_attention, triton_cache, triton_norm
-from kernels.reference import add_rms_norm_ref, rotary_ref
+from pagoda.kernels import launch, triton_attention, triton_cache, triton_norm
+from pagoda.kernels.reference import add_rms_norm_ref, rotary_ref
 
 KERNELS = [triton_attention._paged_attn_kernel, triton_attention._merge_splits_kernel,
            triton_cache._write_kv_kernel, triton_norm._add_rms_norm_kernel, triton_norm._rotary_kernel]
@@ -55,7 +55,8 @@ def test_plugins_load_without_optional_packages():
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("grpc", "grpc_health", "redis", "yaml", "helm_python", "torch", "clients"):
+        blocked = name.split(".")[0] in ("grpc", "grpc_health", "redis", "yaml", "helm_python", "torch")
+        if blocked or name.startswith("pagoda.clients"):
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
 from tests import conftest

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import lora_expand_ref, lora_gather_ref, lora_segments, lora_shrink_ref
-from kernels.triton_lora import lora_expand_triton, lora_shrink_triton
+from pagoda.kernels.reference import lora_expand_ref, lora_gather_ref, lora_segments, lora_shrink_ref
+from pagoda.kernels.triton_lora import lora_expand_triton, lora_shrink_triton
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -6,8 +6,8 @@ on views of a fused projection, so the test also checks that nothing around them
 import pytest
 import torch
 
-from kernels.reference import add_rms_norm_ref, rotary_ref
-from kernels.triton_norm import add_rms_norm_triton, rotary_triton
+from pagoda.kernels.reference import add_rms_norm_ref, rotary_ref
+from pagoda.kernels.triton_norm import add_rms_norm_triton, rotary_triton
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}

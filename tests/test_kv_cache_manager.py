@@ -1,8 +1,8 @@
 """KVCacheManager: prefix hits, slot allocation that fails cleanly, tail-first freeing."""
-from gpu_worker.kv_cache_manager import KVCacheManager
-from gpu_worker.request import Request
-from gpu_worker.sampling_params import SamplingParams
-from protos.block_hash import block_hashes, namespace_root
+from pagoda.gpu_worker.core.kv_cache_manager import KVCacheManager
+from pagoda.gpu_worker.core.request import Request
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.protos.block_hash import block_hashes, namespace_root
 
 BS = 4
 ROOT = namespace_root("m")

@@ -4,11 +4,11 @@ runner's fp8 pool (half the bytes of bf16), and on a GPU the model's logits agai
 import pytest
 import torch
 
-from gpu_worker.config import EngineConfig
-from kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, kv_cache_dtype, quantize_fp8
-from kernels.reference import paged_attention_ref, random_paged_batch, write_kv_cache_ref
-from kernels.triton_attention import paged_attention_triton
-from kernels.triton_cache import write_kv_cache_triton
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, kv_cache_dtype, quantize_fp8
+from pagoda.kernels.reference import paged_attention_ref, random_paged_batch, write_kv_cache_ref
+from pagoda.kernels.triton_attention import paged_attention_triton
+from pagoda.kernels.triton_cache import write_kv_cache_triton
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -80,8 +80,8 @@ def test_attention_reads_fp8_pools(name, splits):
 
 
 def test_runner_fp8_pool_halves_memory_and_stays_close(tiny_model):
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.runner.model_runner import ModelRunner
     from tests.plugins.engine import Chunk, fresh_step
     logits = []
     for dtype in ("auto", "fp8"):
@@ -120,8 +120,8 @@ def test_attention_reads_fp8_pools_gpu(name, splits):
 def test_fp8_kv_logits_within_tolerance_of_bf16_gpu(tiny_model):
     """Stated tolerance: the decode step's logits with fp8 K/V have cosine similarity >= 0.95 with
     those of bf16 K/V (the CPU twin measures 0.98 against fp32 K/V on the same model)."""
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.runner.model_runner import ModelRunner
     from tests.plugins.engine import Chunk, fresh_step
     logits = []
     for dtype in ("auto", "fp8"):

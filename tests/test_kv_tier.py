@@ -3,8 +3,8 @@ pool comes back from the host and counts as cached, greedy outputs equal those w
 swap preemption equals recompute, an abort mid-reload leaks nothing."""
 import pytest
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("no_block_leaks", "one_torch_thread")
 
@@ -20,7 +20,7 @@ def ids(n, seed):
 
 
 def prefix_hashes(engine, tokens):
-    from protos.block_hash import block_hashes, namespace_root
+    from pagoda.protos.block_hash import block_hashes, namespace_root
     return block_hashes(tokens, engine.block_size, namespace_root(engine.model_name))
 
 
@@ -130,7 +130,7 @@ def test_bad_tier_settings_name_the_field():
 
 
 def test_flags_parse_and_bad_values_name_the_flag(capsys):
-    from gpu_worker.args import build_parser, engine_config_kwargs
+    from pagoda.gpu_worker.serving.args import build_parser, engine_config_kwargs
     p = build_parser()
     ns = p.parse_args(["--model", "m", "--kv-offloading-size", "2.5", "--preemption-mode", "swap"])
     kw = engine_config_kwargs(ns)
@@ -147,7 +147,7 @@ def test_cuda_copy_path_matches_the_cpu_twin(tiny_model):
     """The CUDA twin: pinned host pool, copies on their own stream behind an event. A prefix that
     comes back from the host, and swap preemption under async scheduling, give the greedy output
     of an engine without any cache, on the GPU."""
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     kw = dict(device="cuda", num_kv_blocks=16, block_size=8, max_model_len=512)
     tier = LLM(tiny_model, kv_offloading_size=HOST_64, max_num_seqs=4, preemption_mode="swap", **kw)
     plain = LLM(tiny_model, enable_prefix_caching=False, **kw)
@@ -193,7 +193,7 @@ def test_bench_quick(tmp_path):
 def test_tier_metrics_are_exported_only_with_a_tier(tiny_llm_factory):
     from prometheus_client import generate_latest
 
-    from gpu_worker.metrics import WorkerMetrics
+    from pagoda.gpu_worker.serving.metrics import WorkerMetrics
     tier = tiny_llm_factory("llama", num_kv_blocks=16, block_size=8, kv_offloading_size=HOST_64)
     evict_prefix(tier, ids(48, 0))
     for prefix in ("pagoda", "vllm"):

@@ -9,9 +9,9 @@ import time
 import pytest
 import redis
 
-from clients import PagodaClient
-from protos import redis_schema as rs
-from protos.block_hash import block_hashes, namespace_root
+from pagoda.clients import PagodaClient
+from pagoda.protos import redis_schema as rs
+from pagoda.protos.block_hash import block_hashes, namespace_root
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +26,10 @@ def ids(n, seed):
 
 
 def test_prefix_comes_back_from_the_host_tier_and_routers_see_the_tier(redis_server, start_worker, tiny_model):
-    from gpu_worker.llm import LLM
-    from gpu_worker.sampling_params import SamplingParams
-    from router.cluster import Cluster
-    from router.index import BlockIndex
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.engine.llm import LLM
+    from pagoda.router.cluster import Cluster
+    from pagoda.router.index import BlockIndex
 
     w = start_worker(tiny_model, num_kv_blocks=16, block_size=BLOCK, max_model_len=512, worker_id="tier-1",
                      kv_offloading_size=HOST_GIB, redis_url=redis_server.url, heartbeat_interval=0.2,

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.tiny_model import make_tiny_lora
-from kernels.reference import lora_expand_ref, lora_gather_ref, lora_segments, lora_shrink_ref
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.testing.tiny_model import make_tiny_lora
+from pagoda.kernels.reference import lora_expand_ref, lora_gather_ref, lora_segments, lora_shrink_ref
 
 PROMPTS = [[1, 17, 29, 41, 53, 67, 71, 83, 97, 101, 113],
            [1, 5, 9, 200, 300, 400, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
@@ -88,7 +88,7 @@ def test_no_adapter_rows_means_no_segments():
 
 @pytest.fixture(scope="module")
 def lora_llm(tiny_model, adapters):
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     return LLM(tiny_model, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8,
                lora_modules=[f"a={adapters['a']}", f"b={adapters['b']}"])
 
@@ -96,7 +96,7 @@ def lora_llm(tiny_model, adapters):
 @pytest.fixture(scope="module")
 def references(tiny_model, adapters):
     """Greedy outputs of the base model and of each merged checkpoint, one engine each."""
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     out = {}
     for key, path in (("", tiny_model), ("a", adapters["merged_a"]), ("b", adapters["merged_b"])):
         out[key] = greedy(LLM(path, device="cpu"), PROMPTS)
@@ -124,7 +124,7 @@ def test_two_adapters_and_base_in_one_batch_equal_the_merged_models(lora_llm, re
 def test_lora_request_object_loads_its_path(tiny_model, adapters, references):
     from dataclasses import dataclass
 
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
 
     @dataclass
     class LoRARequest:       # as vLLM's
@@ -143,7 +143,7 @@ def test_lora_request_object_loads_its_path(tiny_model, adapters, references):
 def test_one_slot_serves_adapters_in_turn_without_stale_weights(tiny_model, adapters, references, no_block_leaks):
     """max_loras 1: requests of the second adapter wait for the first's to finish, and b (which
     targets fewer projections than a) loads over a's slot with nothing of a left."""
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     llm = LLM(tiny_model, device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8,
               lora_modules={"a": adapters["a"], "b": adapters["b"]})
     mix = ["a", "b", None, "b"]
@@ -163,7 +163,7 @@ def test_one_slot_serves_adapters_in_turn_without_stale_weights(tiny_model, adap
 
 
 def test_lru_evicts_the_least_recently_used_idle_slot(tiny_model, adapters, tmp_path):
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     c = make_tiny_lora(str(tmp_path / "c"), tiny_model, seed=3, rank=2)
     llm = LLM(tiny_model, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8,
               lora_modules={"a": adapters["a"], "b": adapters["b"], "c": c})
@@ -191,7 +191,7 @@ def test_adapter_blocks_are_never_shared_with_the_base_model(lora_llm, no_block_
 
 
 def test_unload_and_load_again_at_run_time(tiny_model, adapters, references, no_block_leaks):
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     llm = LLM(tiny_model, device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8,
               lora_modules={"x": adapters["a"]})
     assert greedy(llm, PROMPTS[:1], "x") == references["a"][:1]
@@ -236,8 +236,8 @@ def test_bad_lora_config_is_refused_naming_the_field(tiny_model, adapters, tmp_p
 
 
 def test_bad_adapters_are_refused_naming_the_field(tiny_model, adapters, tmp_path):
-    from gpu_worker.loader import load_hf_config
-    from gpu_worker.lora import load_peft_adapter
+    from pagoda.gpu_worker.features.lora import load_peft_adapter
+    from pagoda.gpu_worker.runner.loader import load_hf_config
     cfg = load_hf_config(tiny_model)
     with pytest.raises(ValueError, match="max_lora_rank: .* has rank 8, more than --max-lora-rank 4"):
         load_peft_adapter("a", adapters["a"], cfg, 4)
@@ -271,8 +271,8 @@ def test_unknown_adapter_is_refused_naming_the_field(lora_llm, tiny_llm_factory)
 def test_worker_serves_adapters_and_loads_them_at_run_time(start_worker, tiny_model, adapters, references):
     import grpc
 
-    from protos.pagoda.v1 import pagoda_pb2 as pb
-    from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+    from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+    from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
     w = start_worker(tiny_model, enable_lora=True, lora_modules=f"a={adapters['a']}", max_loras=2,
                      max_lora_rank=8)
     with grpc.insecure_channel(w.address) as ch:
@@ -303,7 +303,7 @@ def test_worker_serves_adapters_and_loads_them_at_run_time(start_worker, tiny_mo
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
         assert ask(2, "b") == references["b"][2]     # the worker carries on
 
-    from clients import PagodaClient
+    from pagoda.clients import PagodaClient
     with PagodaClient(w.address, retries=0) as client:     # the client library's side of the same
         assert client.load_lora_adapter("c", adapters["a"]) == ["b", "c"]
         got = [t for chunk in client.generate(PROMPTS[1], adapter="c", max_tokens=GREEDY.max_tokens, temperature=0.0,
@@ -313,7 +313,7 @@ def test_worker_serves_adapters_and_loads_them_at_run_time(start_worker, tiny_mo
 
 
 def test_worker_flags_are_in_help_and_bad_ones_refused(tiny_model, adapters):
-    from gpu_worker.args import build_parser, engine_config_kwargs
+    from pagoda.gpu_worker.serving.args import build_parser, engine_config_kwargs
     text = build_parser().format_help()
     for flag in ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"):
         assert flag in text
@@ -347,9 +347,9 @@ def test_router_serves_adapters_by_name_and_loads_them_over_http(redis_server, s
                                                                  tiny_model, adapters, references):
     import grpc
 
-    from clients.up import free_port
-    from protos.pagoda.v1 import pagoda_pb2 as pb
-    from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+    from pagoda.clients.up import free_port
+    from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+    from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
     from tests.test_router import wait_for
     url = redis_server.url
     flags = dict(redis_url=url, enable_lora=True, max_loras=2, max_lora_rank=8, heartbeat_interval=0.2)
@@ -394,7 +394,7 @@ def test_router_serves_adapters_by_name_and_loads_them_over_http(redis_server, s
         status, text = _http(base + "/completions", {"model": "b", "prompt": PROMPTS[1], "max_tokens": 12,
                                                      "temperature": 0, "ignore_eos": True})
         body = json.loads(text)
-        from protos.tokenization import PromptTokenizer
+        from pagoda.runtime.tokenization import PromptTokenizer
         assert status == 200 and body["model"] == "b"
         assert body["choices"][0]["text"] == PromptTokenizer.from_dir(tiny_model).decode(references["b"][1])
 
@@ -415,7 +415,7 @@ def test_router_serves_adapters_by_name_and_loads_them_over_http(redis_server, s
 # ---- the lease and the cost ---------------------------------------------------------------------
 
 def test_lease_carries_adapters_within_bounds():
-    from protos.redis_schema import MAX_LORA_ADAPTERS, Lease
+    from pagoda.protos.redis_schema import MAX_LORA_ADAPTERS, Lease
     lease = Lease("w", "m", "h:1", 1, 16, lora_adapters=["a", "b"], lora_resident=["b"])
     back = Lease.decode(lease.encode())
     assert back.lora_adapters == ["a", "b"] and back.lora_resident == ["b"]
@@ -429,10 +429,10 @@ def test_lease_carries_adapters_within_bounds():
 def test_a_worker_without_the_adapter_resident_pays_the_load_cost():
     import random
 
-    from protos.block_hash import block_hashes, namespace_root
-    from protos.redis_schema import Lease
-    from router.index import BlockIndex
-    from router.scoring import LORA_LOAD_S, Scorer, WorkerState
+    from pagoda.protos.block_hash import block_hashes, namespace_root
+    from pagoda.protos.redis_schema import Lease
+    from pagoda.router.index import BlockIndex
+    from pagoda.router.scoring import LORA_LOAD_S, Scorer, WorkerState
     rates = dict(prefill_tps=1000.0, decode_tps=1000.0, step_s=0.01, max_batched_tokens=100)
 
     def worker(wid, resident, **load):
@@ -459,7 +459,7 @@ def test_a_worker_without_the_adapter_resident_pays_the_load_cost():
 def test_the_triton_path_serves_adapters_as_the_torch_one(tiny_model, adapters, references):
     """The CUDA path's code (Triton attention, fused ops, the LoRA kernels) on CPU under the
     interpreter: the same greedy tokens, two adapters and the base model in one batch."""
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     llm = LLM(tiny_model, device="cpu", attention_backend="triton", enable_lora=True, max_loras=2, max_lora_rank=8,
               lora_modules={"a": adapters["a"], "b": adapters["b"]}, num_kv_blocks=16)
     assert llm.engine.runner.lora.shrink.__name__ == "lora_shrink_triton"
@@ -474,7 +474,7 @@ def test_the_triton_path_serves_adapters_as_the_torch_one(tiny_model, adapters, 
 def test_lora_on_cuda_matches_the_merged_models(tiny_model, adapters, references):
     """On CUDA (Triton attention, fused ops and LoRA kernels; fp32, so that greedy tokens can be
     compared): two adapters and the base model in one batch give the merged models' tokens."""
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     llm = LLM(tiny_model, device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
               lora_modules={"a": adapters["a"], "b": adapters["b"]}, num_kv_blocks=64)
     mix = ["a", None, "b", "a"]
@@ -500,8 +500,8 @@ def test_stats_and_vllm_lora_info_gauge(tiny_model, adapters, tiny_llm_factory, 
     comma-separated labels."""
     from prometheus_client import generate_latest
 
-    from gpu_worker.llm import LLM
-    from gpu_worker.metrics import WorkerMetrics
+    from pagoda.gpu_worker.engine.llm import LLM
+    from pagoda.gpu_worker.serving.metrics import WorkerMetrics
     llm = LLM(tiny_model, device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8,
               lora_modules={"a": adapters["a"], "b": adapters["b"]})
     e = llm.engine
@@ -528,7 +528,7 @@ def test_router_lora_admin_needs_an_admin_key(redis_server, start_router, tmp_pa
     import urllib.error
     import urllib.request
 
-    from clients.up import free_port
+    from pagoda.clients.up import free_port
     keys = tmp_path / "keys"
     keys.write_text("alice-key alice\nops-key ops admin\n")
     port = free_port()

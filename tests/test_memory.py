@@ -5,10 +5,10 @@ import inspect
 import pytest
 import torch
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.llm import LLM
-from gpu_worker.memory import kv_budget_bytes, sampler_workspace_bytes
-from kernels.triton_attention import num_kv_splits
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.engine.llm import LLM
+from pagoda.gpu_worker.runner.memory import kv_budget_bytes, sampler_workspace_bytes
+from pagoda.kernels.triton_attention import num_kv_splits
 
 GiB = 2**30
 
@@ -42,7 +42,7 @@ def test_split_kv_follows_the_longest_context(num_seqs, max_seq_len, want):
 
 
 def test_runner_passes_the_steps_longest_context(tiny_model):
-    from gpu_worker.model_runner import ModelRunner
+    from pagoda.gpu_worker.runner.model_runner import ModelRunner
     from tests.plugins.engine import Chunk, fresh_step
     r = ModelRunner(EngineConfig(model=tiny_model, device="cpu", block_size=8, num_kv_blocks=16))
     step = fresh_step(r, [Chunk("a", [1, 2, 3], 6, [5, 9]), Chunk("b", [4], 0, [3])])

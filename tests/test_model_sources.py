@@ -9,9 +9,9 @@ import sys
 import pytest
 import transformers
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.loader import choose_backend
-from gpu_worker.model_runner import ModelRunner
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.runner.loader import choose_backend
+from pagoda.gpu_worker.runner.model_runner import ModelRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -33,8 +33,8 @@ def hub_cache_snapshot(hf_home, repo_id: str, checkpoint: str) -> None:
 def test_hub_id_loads_from_the_cache_offline(tiny_model, tmp_path):
     hub_cache_snapshot(tmp_path, "pagoda-test/tiny-llama", tiny_model)
     script = (
-        "from gpu_worker.llm import LLM\n"
-        "from gpu_worker.sampling_params import SamplingParams\n"
+        "from pagoda.gpu_worker.engine.llm import LLM\n"
+        "from pagoda.gpu_worker.core.sampling_params import SamplingParams\n"
         "import sys\n"
         "for rev in (None, sys.argv[1]):\n"
         "    llm = LLM('pagoda-test/tiny-llama', revision=rev, num_kv_blocks=8)\n"
@@ -43,15 +43,15 @@ def test_hub_id_loads_from_the_cache_offline(tiny_model, tmp_path):
     proc = subprocess.run([sys.executable, "-c", script, COMMIT], env=offline_env(tmp_path), cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from gpu_worker.llm import LLM
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.engine.llm import LLM
     local = LLM(tiny_model, num_kv_blocks=8).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))
     expected = str(local[0].outputs[0].token_ids)
     assert proc.stdout.split("\n")[:2] == [expected, expected]
 
 
 def test_unknown_hub_id_offline_is_one_line_naming_model(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "gpu_worker", "--model", "pagoda-test/no-such-model",
+    proc = subprocess.run([sys.executable, "-m", "pagoda.gpu_worker", "--model", "pagoda-test/no-such-model",
                            "--port", "0", "--metrics-port", "0", "--device", "cpu"],
                           env=offline_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
@@ -94,7 +94,7 @@ def test_backend_choice(tiny_model_factory, caplog):
     assert backend == "transformers" and "Gemma2ForCausalLM" in why
     with pytest.raises(ValueError, match="model_impl: native has no implementation of Gemma2ForCausalLM"):
         choose_backend(gemma, "native")
-    with caplog.at_level("INFO", logger="gpu_worker.loader"):
+    with caplog.at_level("INFO", logger="pagoda.gpu_worker.runner.loader"):
         ModelRunner(EngineConfig(model=tiny_model_factory("gemma2"), device="cpu"))
     assert "transformers backend (no native implementation of Gemma2ForCausalLM)" in caplog.text
 

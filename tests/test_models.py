@@ -9,10 +9,10 @@ import pytest
 import torch
 import transformers
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.tiny_model import FAMILIES
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.runner.model_runner import ModelRunner
+from pagoda.gpu_worker.testing.tiny_model import FAMILIES
 from tests.plugins.engine import Chunk, fresh_step
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -183,15 +183,15 @@ def test_runner_attributes_and_block_sizing(tiny_model):
 
 
 def test_backend_dispatch():
-    from gpu_worker.attention import select_backend
-    from kernels.cpu_attention import paged_attention_cpu
-    from kernels.cpu_ops import write_kv_cache_cpu
-    from kernels.reference import paged_attention_ref, write_kv_cache_ref
+    from pagoda.gpu_worker.models.attention import select_backend
+    from pagoda.kernels.cpu_attention import paged_attention_cpu
+    from pagoda.kernels.cpu_ops import write_kv_cache_cpu
+    from pagoda.kernels.reference import paged_attention_ref, write_kv_cache_ref
     cpu = torch.device("cpu")
     assert select_backend("torch", cpu) == (write_kv_cache_ref, paged_attention_ref)
     assert select_backend("auto", cpu) == select_backend("cpu", cpu) == (write_kv_cache_cpu, paged_attention_cpu)
-    from kernels.triton_attention import paged_attention_triton
-    from kernels.triton_cache import write_kv_cache_triton
+    from pagoda.kernels.triton_attention import paged_attention_triton
+    from pagoda.kernels.triton_cache import write_kv_cache_triton
     # On CPU tensors the Triton kernels run interpreted (kernels/launch.py), on any host.
     assert select_backend("triton", cpu) == (write_kv_cache_triton, paged_attention_triton)
     with pytest.raises(ValueError, match="attention_backend"):
@@ -259,9 +259,9 @@ def test_cuda_runner_matches_cpu(tiny_model_factory):
 
 _TRITON_TWIN = """
 import random, sys, torch
-from gpu_worker.config import EngineConfig
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.runner.model_runner import ModelRunner
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
 from tests.plugins.engine import Chunk, fresh_step
 outs = []
 for backend in ("torch", "triton"):
@@ -301,8 +301,8 @@ def test_triton_backend_matches_torch_under_interpreter(tiny_model_factory):
 def test_paged_attention_layer_passes_features_to_the_kernel():
     """Layer defaults (window, cap) and per-call keywords (scale, sinks) reach the attention
     function; a layer with none takes the plain path."""
-    from gpu_worker.attention import AttentionMetadata, PagedAttention
-    from kernels.reference import paged_attention_ref, random_paged_batch
+    from pagoda.gpu_worker.models.attention import AttentionMetadata, PagedAttention
+    from pagoda.kernels.reference import paged_attention_ref, random_paged_batch
     gen = torch.Generator().manual_seed(3)
     b = random_paged_batch([3, 1], [20, 9], 4, 2, 16, 8, generator=gen)
     meta = AttentionMetadata(slot_mapping=torch.full((4,), -1, dtype=torch.int64), block_tables=b["block_tables"],
@@ -323,7 +323,7 @@ def test_paged_attention_layer_passes_features_to_the_kernel():
 def _eos_ids(tokenizer, path):
     from types import SimpleNamespace
 
-    from gpu_worker.loader import load_hf_config
+    from pagoda.gpu_worker.runner.loader import load_hf_config
     runner = SimpleNamespace(tokenizer=tokenizer, model_path=path, hf_config=load_hf_config(path))
     return ModelRunner._eos_token_ids(runner)
 
@@ -334,7 +334,7 @@ def test_eos_ids_are_those_transformers_tokenizer_gives(tiny_model_factory, fami
     # on top, or the model config's where there is no generation_config.
     import shutil
 
-    from gpu_worker.model_runner import load_tokenizer
+    from pagoda.gpu_worker.runner.model_runner import load_tokenizer
     src = tiny_model_factory(family)
     no_gen = str(tmp_path / "no_generation_config")
     shutil.copytree(src, no_gen, ignore=shutil.ignore_patterns("generation_config.json", "*.safetensors"))

@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from gpu_worker.sampling_params import SamplingParams
-from protos.tokenization import PromptTokenizer
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.runtime.tokenization import PromptTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,8 +31,8 @@ def tokenizers_built(monkeypatch):
 
 
 def test_a_worker_process_loads_one_tokenizer_and_shares_it(tiny_model, tokenizers_built):
-    from gpu_worker.args import build_parser
-    from gpu_worker.server import Worker
+    from pagoda.gpu_worker.serving.args import build_parser
+    from pagoda.gpu_worker.serving.server import Worker
     args = build_parser().parse_args(["--model", tiny_model, "--host", "127.0.0.1", "--port", "0",
                                       "--metrics-port", "0", "--device", "cpu", "--num-kv-blocks", "32"])
 
@@ -51,7 +51,7 @@ def test_a_worker_process_loads_one_tokenizer_and_shares_it(tiny_model, tokenize
 
 
 def test_the_offline_engine_detokenizes_with_its_one_tokenizer(tiny_model, tokenizers_built):
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     llm = LLM(tiny_model, device="cpu", num_kv_blocks=32)
     assert tokenizers_built == [llm.tokenizer] and llm.engine.tokenizer is llm.tokenizer
     llm.engine.add_request("r", llm.tokenizer.encode_text("hello"), SamplingParams(max_tokens=2, n=2))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from clients.up import free_port
+from pagoda.clients.up import free_port
 from tests.test_openai_http import _get, _wait_idle, cluster_procs_module  # noqa: F401
 from tests.test_router import wait_for
 
@@ -48,7 +48,7 @@ def test_echo_puts_the_prompt_before_the_completion(client, stack):
         assert "".join(c.text for c in mine) == "The sea is" + plain
         assert mine[0].text.startswith("The sea is") and mine[0].logprobs.token_logprobs[0] is None
         # The prompt's tokens and the 5 generated (how many per chunk depends on how the worker
-        # merged deltas that queued up: gpu_worker/coalesce.py).
+        # merged deltas that queued up: gpu_worker/serving/coalesce.py).
         assert [t for c in mine for t in c.logprobs.tokens] == whole.tokens
 
 

@@ -16,9 +16,9 @@ import grpc
 import openai
 import pytest
 
-from clients.up import free_port
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.clients.up import free_port
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 from tests.test_router import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -51,7 +51,7 @@ def cluster_procs_module(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("router")
 
     def start(redis_url: str, http_port: int) -> Proc:
-        args = ["-m", "router", "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_url,
+        args = ["-m", "pagoda.router", "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_url,
                 "--metrics-port", "0", "--http-port", str(http_port)]
         return _spawn(args, log_dir, "router", procs)
     yield start
@@ -186,7 +186,7 @@ def test_documented_errors(client, stack):
 
 def test_beam_search_on_both_endpoints_and_grpc(client, stack, tiny_llm_factory):
     """use_beam_search: the n best of best_of beams, as the offline LLM.beam_search ranks them."""
-    from gpu_worker.beam_search import BeamSearchParams
+    from pagoda.gpu_worker.features.beam_search import BeamSearchParams
     llm = tiny_llm_factory()
     prompt = "The sea and the mountains"
     want = llm.beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=8))[0].sequences

@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients.up import free_port
+from pagoda.clients.up import free_port
 from tests.test_openai_http import _get, _wait_idle, cluster_procs_module  # noqa: F401
 from tests.test_router import wait_for
 

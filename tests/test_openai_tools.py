@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from clients.up import free_port
+from pagoda.clients.up import free_port
 from tests.test_openai_http import _get, _wait_idle, cluster_procs_module  # noqa: F401
 from tests.test_openai_routes import _call
 from tests.test_router import wait_for
@@ -145,7 +145,7 @@ def test_a_router_with_the_llama3_json_parser(stack, redis_server_module, tmp_pa
     """--tool-call-parser llama3_json: the same worker's output read as Llama 3 JSON calls."""
     from tests.plugins.cluster import _spawn
     port, procs = free_port(), []
-    _spawn(["-m", "router", "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_server_module.url,
+    _spawn(["-m", "pagoda.router", "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_server_module.url,
             "--metrics-port", "0", "--http-port", str(port), "--tool-call-parser", "llama3_json"], tmp_path, "router", procs)
     try:
         base = f"http://127.0.0.1:{port}/v1"

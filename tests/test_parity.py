@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from gpu_worker.kv_cache_manager import cdiv
-from gpu_worker.llm import LLM
-from gpu_worker.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.kv_cache_manager import cdiv
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.engine.llm import LLM
 
 pytestmark = pytest.mark.usefixtures("no_block_leaks", "one_torch_thread")
 
@@ -99,7 +99,7 @@ def test_a_shared_system_prompt_matches_transformers(tiny_model_factory, monkeyp
     import torch
     import transformers
 
-    from kernels import cpu_attention
+    from pagoda.kernels import cpu_attention
     path = tiny_model_factory("llama")
     rng = random.Random(5)
     system = [rng.randrange(5, 600) for _ in range(100)]

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from gpu_worker.kv_cache_manager import cdiv
-from gpu_worker.llm import LLM
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.tiny_model import NATIVE_FAMILIES, TRANSFORMERS_FAMILIES
+from pagoda.gpu_worker.core.kv_cache_manager import cdiv
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.engine.llm import LLM
+from pagoda.gpu_worker.testing.tiny_model import NATIVE_FAMILIES, TRANSFORMERS_FAMILIES
 
 pytestmark = pytest.mark.usefixtures("no_block_leaks", "one_torch_thread")
 

@@ -7,10 +7,10 @@ with decodes in one step (a small token budget), and prefix-cache hits (shared p
 """
 import pytest
 
-from gpu_worker import LLM
-from gpu_worker.sampling_params import SamplingParams
-from kernels.triton_attention import paged_attention_triton
-from kernels.triton_cache import write_kv_cache_triton
+from pagoda.gpu_worker import LLM
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.kernels.triton_attention import paged_attention_triton
+from pagoda.kernels.triton_cache import write_kv_cache_triton
 
 PROMPTS = [
     "Hello there",

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gpu_worker.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("no_block_leaks", "one_torch_thread")
 
@@ -103,7 +103,7 @@ def test_prompt_logprobs_on_cuda_with_async_scheduling(tiny_model, reference):
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (CPU twin: test_prompt_logprobs_match_a_full_forward_across_chunks)")
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     llm = LLM(tiny_model, device="cuda", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24,
               async_scheduling="on")
     a, b = rand_ids(70, 1), rand_ids(20, 4)

@@ -1,11 +1,11 @@
-"""gpu_worker.publisher against a real redis-server: lease, events, snapshots, outages."""
+"""pagoda.gpu_worker.serving.publisher against a real redis-server: lease, events, snapshots, outages."""
 import asyncio
 import time
 
 import redis
 
-from gpu_worker.publisher import Publisher
-from protos import redis_schema as rs
+from pagoda.gpu_worker.serving.publisher import Publisher
+from pagoda.protos import redis_schema as rs
 from tests.plugins.cluster import FakeEngine
 
 
@@ -112,8 +112,8 @@ def test_dropped_events_leave_a_sequence_gap_and_a_fresh_snapshot(redis_server):
 def test_load_changes_reach_a_router_between_heartbeats_rate_limited(redis_server):
     import redis.asyncio as aioredis
 
-    from router.cluster import Cluster
-    from router.index import BlockIndex
+    from pagoda.router.cluster import Cluster
+    from pagoda.router.index import BlockIndex
 
     async def main():
         r = redis.Redis.from_url(redis_server.url)

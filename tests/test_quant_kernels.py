@@ -1,14 +1,14 @@
 """The CUDA paths of quantized weights against their torch twins: the Triton int4 and fp8
 dequantize-matmuls (interpreted on CPU tensors, kernels/launch.py, at tiny fp32/fp16 shapes;
 compiled in bf16 on a GPU) and torch._scaled_mm's W8A8 fp8 (GPU only: its oracle is
-kernels.quant_ref.fp8_w8a8_ref).
+pagoda.kernels.quant_ref.fp8_w8a8_ref).
 """
 import pytest
 import torch
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.tiny_quant import quantize_checkpoint
-from kernels.quant_ref import (
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.testing.tiny_quant import quantize_checkpoint
+from pagoda.kernels.quant_ref import (
     dequantize_fp8_weight,
     fp8_linear_ref,
     fp8_w8a8_ref,
@@ -16,7 +16,7 @@ from kernels.quant_ref import (
     pack_int4_rows,
     quantize_fp8_per_channel,
 )
-from kernels.triton_quant import fp8_matmul_triton, int4_matmul_triton, launch_config
+from pagoda.kernels.triton_quant import fp8_matmul_triton, int4_matmul_triton, launch_config
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -111,7 +111,7 @@ def test_fp8_triton_bf16_gpu(shape):
 def test_fp8_scaled_mm_wrapper_on_cpu():
     """torch._scaled_mm runs on a CPU too: the wrapper's scale shapes and transposes against the
     W8A8 oracle (per-token and static input scales)."""
-    from gpu_worker.quantization import fp8_scaled_mm
+    from pagoda.gpu_worker.features.quantization import fp8_scaled_mm
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 64, generator=g) * 0.05
     x = torch.randn(2, 5, 64, generator=g).bfloat16()
@@ -127,7 +127,7 @@ def test_fp8_scaled_mm_wrapper_on_cpu():
 @needs_cuda
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (37, 1024, 3072), (512, 4096, 1024)])
 def test_fp8_scaled_mm_gpu(m, k, n):
-    from gpu_worker.quantization import fp8_scaled_mm
+    from pagoda.gpu_worker.features.quantization import fp8_scaled_mm
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.05
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
@@ -148,8 +148,8 @@ def test_fp8_scaled_mm_gpu(m, k, n):
 def test_quantized_runner_on_cuda_tracks_the_cpu_twin_gpu(tiny_model_factory, tmp_path, fmt, opts):
     """fp32 on CUDA takes the Triton kernels (int4, and fp8 weight-only): the CPU twin's logits to
     1e-3. bf16 takes torch._scaled_mm for per-channel fp8 (W8A8): close in direction."""
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.runner.model_runner import ModelRunner
     from tests.plugins.engine import Chunk, fresh_step
     qdir, _ = quantize_checkpoint(tiny_model_factory("llama"), str(tmp_path / "q"), fmt, **opts)
     logits = {}
@@ -171,9 +171,9 @@ def test_quantized_runner_on_cuda_tracks_the_cpu_twin_gpu(tiny_model_factory, tm
 def test_quantized_runner_through_the_triton_kernels_interpreted(tiny_model_factory, tmp_path, monkeypatch, fmt, opts):
     """The CPU twin of the CUDA runner test: the layers call the Triton kernels (interpreted) as
     they do on CUDA, and the logits equal the torch twin's."""
-    from gpu_worker import quantization
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.features import quantization
+    from pagoda.gpu_worker.runner.model_runner import ModelRunner
     from tests.plugins.engine import Chunk, fresh_step
     qdir, _ = quantize_checkpoint(tiny_model_factory("llama"), str(tmp_path / "q"), fmt, **opts)
 

@@ -1,6 +1,6 @@
 """Quantized weights (--quantization fp8, compressed-tensors fp8, GPTQ and AWQ int4) on the CPU twin.
 
-Each format's checkpoint is written here from the tiny random model by gpu_worker.tiny_quant
+Each format's checkpoint is written here from the tiny random model by pagoda.gpu_worker.testing.tiny_quant
 (packed exactly as the format's tools pack it), beside a plain checkpoint holding the dequantized
 weights. The worker's logits on the quantized checkpoint equal the plain model's (fp32: the
 same numbers, so to rounding), and greedy output is identical. Bad quantization configs are
@@ -14,14 +14,14 @@ import shutil
 import pytest
 import torch
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.llm import LLM
-from gpu_worker.memory import linear_weight_bytes, module_bytes
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.quantization import AWQ_ORDER, Fp8Linear, Int4Linear, parse_quantization, unpack_int4_cols
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.tiny_quant import dequantize_fp8_dynamic, pack_cols, pack_rows, quantize_checkpoint
-from kernels.quant_ref import dequantize_fp8_weight, pack_int4_rows, unpack_int4_rows
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.engine.llm import LLM
+from pagoda.gpu_worker.features.quantization import AWQ_ORDER, Fp8Linear, Int4Linear, parse_quantization, unpack_int4_cols
+from pagoda.gpu_worker.runner.memory import linear_weight_bytes, module_bytes
+from pagoda.gpu_worker.runner.model_runner import ModelRunner
+from pagoda.gpu_worker.testing.tiny_quant import dequantize_fp8_dynamic, pack_cols, pack_rows, quantize_checkpoint
+from pagoda.kernels.quant_ref import dequantize_fp8_weight, pack_int4_rows, unpack_int4_rows
 from tests.plugins.engine import Chunk, fresh_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -136,8 +136,8 @@ def test_fp8_at_load_is_per_channel_e4m3(tiny_model, tmp_path):
 def test_fp8_at_load_under_tensor_parallelism_quantizes_each_ranks_slice(tiny_model, tmp_path):
     """TP=2 (gloo ranks): each rank quantizes its shard; greedy output equals TP=1 on the model
     holding those per-slice dequantized weights (row-parallel layers: one scale per row per rank)."""
-    from gpu_worker.loader import load_hf_config, load_model
-    from gpu_worker.models.parallel import Shard
+    from pagoda.gpu_worker.models.parallel import Shard
+    from pagoda.gpu_worker.runner.loader import load_hf_config, load_model
     from tests.test_tensor_parallel import generate
     cfg = load_hf_config(tiny_model)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -287,7 +287,7 @@ def test_quantization_needs_the_native_backend(tiny_model):
 
 
 def test_flag_in_worker_help():
-    from gpu_worker.args import build_parser, engine_config_kwargs
+    from pagoda.gpu_worker.serving.args import build_parser, engine_config_kwargs
     parser = build_parser()
     assert "--quantization" in parser.format_help()
     args = parser.parse_args(["--model", "m", "--quantization", "gptq"])
@@ -299,7 +299,7 @@ def test_flag_in_worker_help():
 
 def test_start_up_log_gives_the_weights_as_held(checkpoints, caplog):
     import logging
-    with caplog.at_level(logging.INFO, logger="gpu_worker.model_runner"):
+    with caplog.at_level(logging.INFO, logger="pagoda.gpu_worker.runner.model_runner"):
         r = runner(checkpoints("gptq-g32")[0])
     line = next(m for m in caplog.messages if m.startswith("weights:"))
     assert line == f"weights: {r.weight_bytes / 2**30:.3f} GiB on cpu, gptq (int4 weights, group size 32)"
@@ -307,9 +307,9 @@ def test_start_up_log_gives_the_weights_as_held(checkpoints, caplog):
 
 @pytest.mark.slow
 def test_a_worker_serves_a_gptq_checkpoint_over_grpc(checkpoints, start_worker):
-    """`python -m gpu_worker --quantization gptq` on loopback: greedy tokens streamed over gRPC equal
+    """`python -m pagoda.gpu_worker --quantization gptq` on loopback: greedy tokens streamed over gRPC equal
     the dequantized model's offline, and the start-up line gives the quantization and weights."""
-    from clients import PagodaClient
+    from pagoda.clients import PagodaClient
     qdir, refdir = checkpoints("gptq-g32")
     worker = start_worker(qdir, quantization="gptq")
     ids = [5, 40, 9, 200, 7, 33, 81, 12]

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from protos import redis_schema as rs
-from protos.block_hash import hash_block, namespace_root
+from pagoda.protos import redis_schema as rs
+from pagoda.protos.block_hash import hash_block, namespace_root
 
 H = [hash_block(namespace_root("m"), [i]) for i in range(4)]
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.reference import gather_kv, paged_attention_ref, random_paged_batch
+from pagoda.kernels.reference import gather_kv, paged_attention_ref, random_paged_batch
 
 
 def dense_attention(b, sliding_window=None, softcap=None, sinks=None):

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,7 +104,7 @@ def test_errors_tokenization_health_and_reflection(redis_server, start_fake_work
     out, err = generate(stub, text="aa bb zz", max_tokens=2)
     assert err is None and out[-1].usage.prompt_tokens == 3
     toks = stub.Tokenize(pb.TokenizeRequest(text="aa bb zz"))
-    from protos.tokenization import PromptTokenizer
+    from pagoda.runtime.tokenization import PromptTokenizer
     from tests.plugins.cluster import word_tokenizer_json
     assert list(toks.token_ids) == PromptTokenizer(word_tokenizer_json()).encode_text("aa bb zz")
     info = stub.GetModelInfo(pb.ModelInfoRequest())

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-from protos.tokenization import PromptTokenizer
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.runtime.tokenization import PromptTokenizer
 from tests.test_router import metric, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 from tests.test_router import generate, metric, prompt, stub_for, wait_for
 
 pytestmark = pytest.mark.timeout(120)

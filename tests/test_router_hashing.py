@@ -1,10 +1,10 @@
-"""router/hashing.py: the router's prompt hashes equal protos.block_hash's chain whatever it reuses."""
+"""router/hashing.py: the router's prompt hashes equal pagoda.protos.block_hash's chain whatever it reuses."""
 import random
 
 import pytest
 
-from protos.block_hash import block_hashes, namespace_root
-from router.hashing import PromptHasher
+from pagoda.protos.block_hash import block_hashes, namespace_root
+from pagoda.router.hashing import PromptHasher
 
 ROOT = namespace_root("m")
 

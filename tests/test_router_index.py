@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from protos.block_hash import block_hashes, namespace_root
-from router.breaker import CircuitBreaker
-from router.index import BlockIndex
+from pagoda.protos.block_hash import block_hashes, namespace_root
+from pagoda.router.breaker import CircuitBreaker
+from pagoda.router.index import BlockIndex
 
 
 def chain(n_blocks, model="m", adapter="", salt="", first=0, bs=16):
@@ -105,7 +105,7 @@ def test_the_index_stays_out_of_the_cyclic_collectors_walk():
     idx.speculate("a", h, now=0.0)
     # Per-worker hashes and speculation: a dict of bytes, which CPython does not track (a set it does).
     assert idx.speculative_blocks("a") == 4 and not gc.is_tracked(idx._by_worker["a"])
-    from protos.heap import freeze_heap
+    from pagoda.runtime.heap import freeze_heap
     freeze_heap()                             # the router does this once built: the ordered dict too
     try:
         assert gc.get_freeze_count() > 0 and not any(o is idx._owners for o in gc.get_objects())
@@ -179,11 +179,11 @@ def test_circuit_breaker_opens_half_opens_and_backs_off():
 def test_cluster_groups_by_model_follow_joins_leaves_and_changes():
     from types import SimpleNamespace
 
-    from protos.redis_schema import Lease
-    from router.breaker import CircuitBreaker
-    from router.channels import WorkerChannels
-    from router.cluster import Cluster
-    from router.prepare import Pin, Preparer
+    from pagoda.protos.redis_schema import Lease
+    from pagoda.router.breaker import CircuitBreaker
+    from pagoda.router.channels import WorkerChannels
+    from pagoda.router.cluster import Cluster
+    from pagoda.router.prepare import Pin, Preparer
 
     cluster = Cluster("redis://unused", BlockIndex())       # nothing here talks to Redis
 

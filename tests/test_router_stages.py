@@ -14,20 +14,20 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos.block_hash import block_hashes, namespace_root
-from protos.limits import Limits
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-from protos.redis_schema import Lease
-from protos.security import TENANT_HEADER, Identity
-from protos.tokenization import PromptTokenizer, tokenizer_digest
-from router.channels import WorkerChannels
-from router.cluster import Cluster
-from router.errors import RouterError
-from router.index import BlockIndex
-from router.metrics import RouterMetrics
-from router.pipeline import Pipeline
-from router.scoring import Scorer
+from pagoda.protos.block_hash import block_hashes, namespace_root
+from pagoda.protos.limits import Limits
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.protos.redis_schema import Lease
+from pagoda.router.channels import WorkerChannels
+from pagoda.router.cluster import Cluster
+from pagoda.router.errors import RouterError
+from pagoda.router.index import BlockIndex
+from pagoda.router.metrics import RouterMetrics
+from pagoda.router.pipeline import Pipeline
+from pagoda.router.scoring import Scorer
+from pagoda.runtime.security import TENANT_HEADER, Identity
+from pagoda.runtime.tokenization import PromptTokenizer, tokenizer_digest
 from tests.plugins.cluster import TOKENIZER_CONFIG, FakeEngine, _servicer, word_tokenizer_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,10 +158,10 @@ def test_the_relay_passes_the_workers_bytes_through_and_an_error_after_the_first
 def test_fronts_import_no_process_module_and_no_module_imports_private_names():
     for path in sorted((ROOT / "router").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("router"):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pagoda.router"):
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{path.name} imports {private} from {node.module}"
                 if path.name != "__main__.py":
-                    assert node.module != "router.server", f"{path.name} imports the process module"
-    code = "import sys, router.openai_api, router.grpc_front; assert 'router.server' not in sys.modules"
+                    assert node.module != "pagoda.router.server", f"{path.name} imports the process module"
+    code = "import sys, pagoda.router.openai_api, pagoda.router.grpc_front; assert 'pagoda.router.server' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

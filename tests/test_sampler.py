@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.input_batch import InputBatch
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.outputs import NewRequest, SchedulerOutput
-from gpu_worker.sampler import Sampler
-from gpu_worker.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.core.outputs import NewRequest, SchedulerOutput
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.runner.input_batch import InputBatch
+from pagoda.gpu_worker.runner.model_runner import ModelRunner
+from pagoda.gpu_worker.runner.sampler import Sampler
 from tests.plugins.engine import Chunk, fresh_step
 
 V = 8

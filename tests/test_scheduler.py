@@ -1,10 +1,10 @@
 """Scheduler: token budget and chunked prefill, preemption, priorities, max_num_seqs, abort."""
-from gpu_worker.kv_cache_manager import KVCacheManager
-from gpu_worker.outputs import ModelRunnerOutput
-from gpu_worker.request import Request, RequestStatus
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.scheduler import Scheduler
-from protos.block_hash import namespace_root
+from pagoda.gpu_worker.core.kv_cache_manager import KVCacheManager
+from pagoda.gpu_worker.core.outputs import ModelRunnerOutput
+from pagoda.gpu_worker.core.request import Request, RequestStatus
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.scheduler import Scheduler
+from pagoda.protos.block_hash import namespace_root
 
 BS = 4
 ROOT = namespace_root("m")

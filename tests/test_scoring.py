@@ -3,10 +3,10 @@ import random
 
 import pytest
 
-from protos.block_hash import block_hashes, namespace_root
-from protos.redis_schema import Lease
-from router.index import BlockIndex
-from router.scoring import DECODE_SHARE, DEFAULT_OUTPUT_TOKENS, Scorer, WorkerState
+from pagoda.protos.block_hash import block_hashes, namespace_root
+from pagoda.protos.redis_schema import Lease
+from pagoda.router.index import BlockIndex
+from pagoda.router.scoring import DECODE_SHARE, DEFAULT_OUTPUT_TOKENS, Scorer, WorkerState
 
 # 1 ms per prompt token, 1 ms per decoding sequence per step, 10 ms per step, 100 tokens per step:
 # with D sequences decoding, a prompt token costs 1 ms + (10 ms + D ms) / 100.
@@ -281,8 +281,8 @@ def test_a_report_is_written_where_it_is_applied_and_a_decision_refreshes_only_i
 
 
 def test_claim_credits_the_choice_and_speculates_past_what_it_holds():
-    from router.breaker import CircuitBreaker
-    from router.selection import Selector
+    from pagoda.router.breaker import CircuitBreaker
+    from pagoda.router.selection import Selector
     idx, h = BlockIndex(speculative_ttl_s=5), chain(4)
     idx.add("a", h[:2])                                     # reported: a holds the first two blocks
     a = worker("a")
@@ -299,9 +299,9 @@ def test_claim_credits_the_choice_and_speculates_past_what_it_holds():
 def test_preparation_hashes_each_namespace_with_its_own_root_however_many_it_has_seen():
     from types import SimpleNamespace
 
-    from router.breaker import CircuitBreaker
-    from router.channels import WorkerChannels
-    from router.prepare import Preparer
+    from pagoda.router.breaker import CircuitBreaker
+    from pagoda.router.channels import WorkerChannels
+    from pagoda.router.prepare import Preparer
     prepare = Preparer(SimpleNamespace(), WorkerChannels(), CircuitBreaker())  # type: ignore[arg-type]
     ids = list(range(40))
     for salt in ["", "t2", "", "t3"] + [f"s{i}" for i in range(4100)] + ["t2"]:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients import PagodaClient
+from pagoda.clients import PagodaClient
 from tests.test_router import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -76,7 +76,7 @@ def test_worker_tls_mtls_and_keys(secured, test_certs):
 
 
 def test_router_tls_keys_and_tenant_isolation(secured, test_certs, start_router):
-    from clients.up import free_port
+    from pagoda.clients.up import free_port
     # Not the prompt of the worker test: there bob cached PROMPT in his own namespace already
     # (the same namespace the router gives him, as it should be).
     c, d = test_certs, secured["keys"]

@@ -1,10 +1,10 @@
 """Keys file parsing and reload, tenant scoping, request limits: the pure parts of
-protos/security.py and protos/limits.py."""
+runtime/security.py and protos/limits.py."""
 import pytest
 
-from protos.limits import Limits, check_fits, check_request
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.security import Identity, KeyRing, read_keys, scoped_id, scoped_salt
+from pagoda.protos.limits import Limits, check_fits, check_request
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.runtime.security import Identity, KeyRing, read_keys, scoped_id, scoped_salt
 
 
 def test_keys_file_format_and_reload(tmp_path):

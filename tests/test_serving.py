@@ -1,4 +1,4 @@
-"""protos/serving.py: server options that agree with the router's client keepalive, the derived
+"""runtime/serving.py: server options that agree with the router's client keepalive, the derived
 metrics port, port checks that name the port and its flag, and the stop deadline that ends a
 server stuck in its shutdown."""
 import signal
@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from protos.serving import CLIENT_KEEPALIVE, METRICS_PORT_OFFSET, StartupError, check_port_free, metrics_port, server_options
+from pagoda.runtime.serving import (
+    CLIENT_KEEPALIVE,
+    METRICS_PORT_OFFSET,
+    StartupError,
+    check_port_free,
+    metrics_port,
+    server_options,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the way a stuck event loop does, or finish and leave through exit_now.
 _STOPPER = """
 import asyncio, sys
-from protos.serving import StopDeadline, exit_now
+from pagoda.runtime.serving import StopDeadline, exit_now
 async def stop(hang):
     d = StopDeadline("router", float(sys.argv[2])).start()
     d.stage = "redis sync stop"

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.spec_config import SpeculativeConfig, parse_speculative_config
-from gpu_worker.spec_decode import ngram_propose, rejection_sample
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.spec_config import SpeculativeConfig, parse_speculative_config
+from pagoda.gpu_worker.features.spec_decode import ngram_propose, rejection_sample
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -51,7 +51,7 @@ def test_bad_config_is_refused_naming_the_key(value, key):
 
 
 def test_worker_flag_in_help_and_bad_json_named_before_the_model_loads(capsys):
-    from gpu_worker.args import build_parser, engine_config_kwargs
+    from pagoda.gpu_worker.serving.args import build_parser, engine_config_kwargs
     p = build_parser()
     assert "--speculative-config" in p.format_help()
     args = p.parse_args(["--model", "m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
@@ -64,15 +64,15 @@ def test_worker_flag_in_help_and_bad_json_named_before_the_model_loads(capsys):
 
 def test_speculation_never_pipelines_steps():
     """auto is off with speculation, on CUDA too."""
-    from gpu_worker.config import EngineConfig
-    from gpu_worker.engine import uses_async_scheduling
+    from pagoda.gpu_worker.core.config import EngineConfig
+    from pagoda.gpu_worker.engine.llm_engine import uses_async_scheduling
     assert uses_async_scheduling(EngineConfig(model="m"), "cuda")
     assert not uses_async_scheduling(EngineConfig(model="m", speculative_config=NGRAM), "cuda")
     assert not uses_async_scheduling(EngineConfig(model="m", speculative_config=NGRAM, async_scheduling="off"), "cpu")
 
 
 def test_engine_config_refuses_async_scheduling_and_tensor_parallel_with_speculation():
-    from gpu_worker.config import EngineConfig
+    from pagoda.gpu_worker.core.config import EngineConfig
     with pytest.raises(ValueError, match="^async_scheduling"):
         EngineConfig(model="m", speculative_config=NGRAM, async_scheduling="on")
     with pytest.raises(ValueError, match="^speculative_config"):
@@ -195,7 +195,7 @@ def copy_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(copy_model):
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     path, _ = copy_model
     kw = dict(device="cpu", num_kv_blocks=96, block_size=8)
     return {"plain": LLM(path, **kw), "ngram": LLM(path, speculative_config=NGRAM, **kw),
@@ -248,7 +248,7 @@ def test_stop_string_inside_accepted_drafts_truncates_like_plain(engines, copy_m
 def test_rejected_drafts_slots_are_rolled_back(engines, copy_model):
     """After every step each running request holds exactly the blocks its computed KV needs
     (drafts' extra blocks freed), the runner's table agrees, and at the end nothing leaks."""
-    from gpu_worker.kv_cache_manager import cdiv
+    from pagoda.gpu_worker.core.kv_cache_manager import cdiv
     _, doc = copy_model
     eng = engines["ngram"].engine
     bs = eng.block_size
@@ -274,7 +274,7 @@ def test_rejected_drafts_slots_are_rolled_back(engines, copy_model):
 def test_a_step_frees_the_blocks_of_rejected_drafts(copy_model):
     """With 8 drafts and blocks of 8 every verification takes a block more than the step
     before it; where the text was edited the drafts are rejected and the block goes back."""
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     path, doc = copy_model
     llm = LLM(path, device="cpu", num_kv_blocks=64, block_size=8,
               speculative_config={"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 2,
@@ -320,8 +320,8 @@ def test_sampled_speculation_runs_to_the_end_and_seeds_repeat(engines, copy_mode
 def test_metrics_under_vllms_names():
     from prometheus_client import generate_latest
 
-    from gpu_worker.metrics import WorkerMetrics
-    from gpu_worker.outputs import EngineStats
+    from pagoda.gpu_worker.core.outputs import EngineStats
+    from pagoda.gpu_worker.serving.metrics import WorkerMetrics
     stats = EngineStats(running=0, waiting=0, queued_prefill_tokens=0, num_blocks=8, free_blocks=8, kv_usage=0.0,
                         prefix_cache_queries=0, prefix_cache_hits=0, preemptions=0, prompt_tokens=0,
                         generation_tokens=0, tokens_stored=0, blocks_held=0, block_size=16,
@@ -341,7 +341,7 @@ def test_speculation_on_cuda_matches_plain(copy_model):
     draft model's pool on the device; greedy output equal to plain decoding there."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     path, doc = copy_model
     kw = dict(device="cuda", dtype="float32", num_kv_blocks=96, block_size=16)
     prompts = [doc[:120] + doc[:3], doc[50:200] + doc[50:52]]
@@ -378,8 +378,8 @@ def test_async_streams_and_abort_with_speculation(engines, copy_model):
     delta and equal plain decoding; a stream aborted mid-way frees everything."""
     import asyncio
 
-    from gpu_worker.async_llm import AsyncLLM
-    from gpu_worker.config import EngineConfig
+    from pagoda.gpu_worker.core.config import EngineConfig
+    from pagoda.gpu_worker.serving.async_llm import AsyncLLM
     path, doc = copy_model
     prompts = [doc[:80] + doc[:2], doc[40:160] + doc[40:42], doc[100:220] + doc[100:101]]
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

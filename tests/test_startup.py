@@ -62,7 +62,7 @@ def _one_line_failure(cmd: list[str], port: int, flag: str, within: float) -> No
 def test_worker_port_taken_is_one_line_before_the_model_loads(tiny_model):
     with _held_port() as s:
         port = s.getsockname()[1]
-        base = [sys.executable, "-m", "gpu_worker", "--model", tiny_model, "--host", "127.0.0.1", "--device", "cpu"]
+        base = [sys.executable, "-m", "pagoda.gpu_worker", "--model", tiny_model, "--host", "127.0.0.1", "--device", "cpu"]
         _one_line_failure(base + ["--port", str(port), "--metrics-port", "0"], port, "--port", 20)
         _one_line_failure(base + ["--port", "0", "--metrics-port", str(port)], port, "--metrics-port", 20)
 
@@ -70,14 +70,14 @@ def test_worker_port_taken_is_one_line_before_the_model_loads(tiny_model):
 def test_router_refuses_a_port_another_router_holds(redis_server, start_router):
     first = start_router(redis_server.url)
     port = int(first.address.rsplit(":", 1)[1])
-    _one_line_failure([sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port),
+    _one_line_failure([sys.executable, "-m", "pagoda.router", "--host", "127.0.0.1", "--port", str(port),
                        "--metrics-port", "0", "--redis-url", redis_server.url], port, "--port", 10)
 
 
 def test_up_fails_fast_naming_its_taken_port(tmp_path):
     with _held_port() as s:
         port = s.getsockname()[1]
-        _one_line_failure([sys.executable, "-m", "clients.up", "--port", str(port),
+        _one_line_failure([sys.executable, "-m", "pagoda.clients.up", "--port", str(port),
                            "--cache-dir", str(tmp_path)], port, "--port", 2.0)
 
 
@@ -89,11 +89,11 @@ def test_two_workers_and_a_router_differing_only_in_port_all_serve(tiny_model, r
         for p in ports[:2]:
             workers.append(launch_worker(tiny_model, tmp_path, port=p, metrics_port=None,
                                          redis_url=redis_server.url))
-        router = subprocess.Popen([sys.executable, "-m", "router", "--port", str(ports[2]),
+        router = subprocess.Popen([sys.executable, "-m", "pagoda.router", "--port", str(ports[2]),
                                    "--redis-url", redis_server.url], cwd=ROOT, env=_env(),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
-            from clients import PagodaClient
+            from pagoda.clients import PagodaClient
             deadline = time.monotonic() + 30
             while True:
                 try:

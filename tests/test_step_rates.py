@@ -1,9 +1,9 @@
-"""gpu_worker.step_rates: the worker's own speed, fitted from its cumulative step counters."""
+"""pagoda.gpu_worker.serving.step_rates: the worker's own speed, fitted from its cumulative step counters."""
 import random
 
 import pytest
 
-from gpu_worker.step_rates import PRIOR, StepRates
+from pagoda.gpu_worker.serving.step_rates import PRIOR, StepRates
 
 
 def feed(rates, samples, base=0.006, per_prompt=60e-6, per_gen=0.25e-3):

@@ -1,4 +1,4 @@
-"""Fewer stream messages per token (gpu_worker/coalesce.py): deltas that queue up go out merged,
+"""Fewer stream messages per token (gpu_worker/serving/coalesce.py): deltas that queue up go out merged,
 and --stream-interval N holds a sequence's tokens until N wait (first at once, last flushes).
 
 What a stream says must not change: with any interval, over a real worker on loopback, the
@@ -11,11 +11,11 @@ import time
 import grpc
 import pytest
 
-from clients import AsyncPagodaClient, PagodaClient
-from gpu_worker.coalesce import Coalescer, merge
-from gpu_worker.outputs import Logprob, StreamDelta, TokenLogprobs
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.clients import AsyncPagodaClient, PagodaClient
+from pagoda.gpu_worker.core.outputs import Logprob, StreamDelta, TokenLogprobs
+from pagoda.gpu_worker.serving.coalesce import Coalescer, merge
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -74,8 +74,8 @@ def test_interval_counts_per_sequence_and_a_big_delta_goes_at_once():
 
 
 def test_interval_below_one_is_refused_naming_it():
-    from gpu_worker.args import build_parser
-    from gpu_worker.config import EngineConfig
+    from pagoda.gpu_worker.core.config import EngineConfig
+    from pagoda.gpu_worker.serving.args import build_parser
     with pytest.raises(ValueError, match="stream_interval"):
         Coalescer(0)
     with pytest.raises(ValueError, match="stream_interval"):
@@ -90,9 +90,9 @@ def test_interval_below_one_is_refused_naming_it():
 
 @pytest.mark.usefixtures("no_block_leaks", "one_torch_thread")
 def test_a_consumer_behind_gets_one_merged_delta(tiny_model):
-    from gpu_worker.async_llm import AsyncLLM
-    from gpu_worker.config import EngineConfig
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.config import EngineConfig
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
+    from pagoda.gpu_worker.serving.async_llm import AsyncLLM
     # No prefix cache: the second request's prefill then computes what the first one's did, so
     # their logprobs are equal to the bit (a cache hit would prefill one row, through the
     # small-batch linear, whose sums round differently from the 20-row GEMM's).

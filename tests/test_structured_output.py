@@ -10,14 +10,14 @@ import jsonschema
 import pytest
 import torch
 
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.structured_output import (
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.features.structured_output import (
     GrammarCompiler,
     GuidedSpec,
     apply_grammar_masks,
     spec_from_proto,
 )
-from protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 
 # Nested objects, enums, arrays and required fields, bounded everywhere (lengths, item counts,
 # integer ranges, no extra properties) so that a random model's output always ends within max_tokens.
@@ -36,7 +36,7 @@ MAX_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     return LLM(model=tiny_model, device="cpu", num_kv_blocks=256, max_model_len=512)
 
 
@@ -111,7 +111,7 @@ def test_a_grammar_spelling_an_added_token_survives_the_model_writing_it(llm, co
     ended the sequence there)."""
     from tokenizers import Tokenizer
 
-    from gpu_worker.structured_output import plain_added_tokens
+    from pagoda.gpu_worker.features.structured_output import plain_added_tokens
     tok = Tokenizer.from_file(os.path.join(tiny_model, "tokenizer.json"))
     call = '<tool_call>{"name": "f"}</tool_call>'
     state = compiler.compile(GuidedSpec("choice", json.dumps([call]))).new_state()
@@ -156,7 +156,7 @@ def test_async_scheduling_holds_a_constrained_request_until_its_token_is_back(ti
     """A grammar's next mask is worked out on the host from the token just sampled, so under async
     scheduling a constrained request skips the step launched while its token is in flight; the
     free-running request beside it is in every step. Outputs equal the synchronous engine's."""
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     pipe = LLM(model=tiny_model, device="cpu", num_kv_blocks=256, max_model_len=512, async_scheduling="on")
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
               guided(compiler, "json_schema", json.dumps(SCHEMA), temperature=1.0, seed=5, max_tokens=MAX_TOKENS)]

@@ -17,9 +17,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gpu_worker.kv_cache_manager import cdiv
-from gpu_worker.llm import LLM
-from gpu_worker.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.kv_cache_manager import cdiv
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.engine.llm import LLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -101,8 +101,8 @@ def test_each_rank_loads_only_its_shard(tiny_model_factory):
     """Sharded shapes per rank, and the shards laid side by side are the checkpoint."""
     import torch
 
-    from gpu_worker.loader import iter_weights, load_hf_config, load_model
-    from gpu_worker.models.parallel import Shard, shard_slice
+    from pagoda.gpu_worker.models.parallel import Shard, shard_slice
+    from pagoda.gpu_worker.runner.loader import iter_weights, load_hf_config, load_model
     path = tiny_model_factory("qwen2")     # q/k/v biases, tied embeddings
     cfg = load_hf_config(path)
     full = dict(iter_weights(path))
@@ -140,8 +140,8 @@ def test_vocab_not_divisible_more_ranks_than_gpus_and_bad_sizes_are_refused():
 
     import torch
 
-    from gpu_worker.config import EngineConfig
-    from gpu_worker.models.parallel import check_tensor_parallel
+    from pagoda.gpu_worker.core.config import EngineConfig
+    from pagoda.gpu_worker.models.parallel import check_tensor_parallel
     cfg = SimpleNamespace(num_attention_heads=64, num_key_value_heads=64, intermediate_size=4096, vocab_size=65536,
                           architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 does not divide the model's 65535 vocab_size"):
@@ -165,8 +165,8 @@ def _rank_pids(log: str) -> list[int]:
 def test_killed_rank_ends_streams_unavailable_and_worker_exits_nonzero(start_worker, tiny_model, redis_server):
     import redis
 
-    from clients import AsyncPagodaClient
-    from protos import redis_schema as rs
+    from pagoda.clients import AsyncPagodaClient
+    from pagoda.protos import redis_schema as rs
     # Slow steps keep the stream running while the rank is killed.
     w = start_worker(tiny_model, tensor_parallel_size=2, redis_url=redis_server.url, worker_id="tp-dies",
                      env={"PAGODA_TEST_STEP_DELAY_S": "0.05"})
@@ -209,7 +209,7 @@ def test_killed_rank_ends_streams_unavailable_and_worker_exits_nonzero(start_wor
 def test_beam_search_under_tp2_equals_tp1(tiny_model):
     """Every rank does the copy-on-write block copies (ModelRunner.copy_blocks, sent with the
     step): beams under TP=2 equal TP=1's."""
-    from gpu_worker.beam_search import BeamSearchParams
+    from pagoda.gpu_worker.features.beam_search import BeamSearchParams
     prompts, params = [[5, 6, 7, 8, 9, 10], list(range(20, 45))], BeamSearchParams(beam_width=4, max_tokens=12)
     want = LLM(tiny_model, device="cpu", block_size=BLOCK).beam_search(prompts, params)
     llm = LLM(tiny_model, device="cpu", block_size=BLOCK, num_kv_blocks=64, tensor_parallel_size=2)

@@ -9,7 +9,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from gpu_worker.tiny_model import BOS_FAMILIES, BYTE_LEVEL_FAMILIES, FAMILIES, TOOL_CALL_TOKENS, make_tiny_model
+from pagoda.gpu_worker.testing.tiny_model import BOS_FAMILIES, BYTE_LEVEL_FAMILIES, FAMILIES, TOOL_CALL_TOKENS, make_tiny_model
 
 TEXTS = ["The quick brown fox", "héllo wörld 東京 🚀 Привет", "def f(x):\n    return x * 2\n",
          "Once upon a time", "  leading spaces and\ttabs", "User: What is 2+2?"]
@@ -58,7 +58,7 @@ ROUND_TRIP = TEXTS + ["Les élèves étudient à l'école. Über den Wolken – 
 def test_every_token_of_the_default_tokenizer_decodes_alone_to_text(tiny_model):
     """Each ordinary token alone decodes to valid text (no U+FFFD), so text round-trips token by
     token, streamed chunks carry whole tokens and clients count the real tokens."""
-    from protos.tokenization import PromptTokenizer
+    from pagoda.runtime.tokenization import PromptTokenizer
     tok = PromptTokenizer.from_dir(tiny_model)
     special = set(tok.backend.get_added_tokens_decoder()) - {tok.token_to_id(t) for t in TOOL_CALL_TOKENS}
     for i in range(tok.vocab_size):
@@ -139,7 +139,7 @@ def test_seed_changes_weights_and_same_seed_repeats(tmp_path):
 
 
 def test_cli_and_bad_family(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "gpu_worker.tiny_model", str(tmp_path / "m"),
+    out = subprocess.run([sys.executable, "-m", "pagoda.gpu_worker.testing.tiny_model", str(tmp_path / "m"),
                           "--family", "qwen3", "--seed", "3"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.load(open(tmp_path / "m" / "config.json"))["model_type"] == "qwen3"

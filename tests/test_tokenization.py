@@ -4,7 +4,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from protos.tokenization import PromptTokenizer, clean_up_cut, clean_up_tokenization
+from pagoda.runtime.tokenization import PromptTokenizer, clean_up_cut, clean_up_tokenization
 
 transformers = pytest.importorskip("transformers")
 

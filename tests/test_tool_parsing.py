@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from router import tools as T
+from pagoda.router import tools as T
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object",

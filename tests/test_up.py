@@ -1,4 +1,4 @@
-"""`pagoda up` (clients.up): embedded redis-server, a worker and a router as processes, the default
+"""`pagoda up` (pagoda.clients.up): embedded redis-server, a worker and a router as processes, the default
 tiny model built into the cache directory, and Ctrl-C stopping every child."""
 import json
 import os
@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -30,10 +30,10 @@ def _alive(pid: int) -> bool:
 
 
 def test_up_serves_then_ctrl_c_stops_everything(tmp_path):
-    import clients.up
-    assert clients.up.find_redis_server()
+    import pagoda.clients.up
+    assert pagoda.clients.up.find_redis_server()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "clients.up", "--workers", "1", "--port", "0", "--device", "cpu",
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda.clients.up", "--workers", "1", "--port", "0", "--device", "cpu",
                              "--num-kv-blocks", "64", "--cache-dir", str(tmp_path / "cache")],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -69,12 +69,12 @@ def test_up_serves_then_ctrl_c_stops_everything(tmp_path):
 
 
 def test_up_import_is_light():
-    code = "import sys, clients.up; assert 'torch' not in sys.modules and 'gpu_worker' not in sys.modules"
+    code = "import sys, pagoda.clients.up; assert 'torch' not in sys.modules and 'gpu_worker' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
 def test_router_import_is_light():
-    code = ("import sys, router.server, router.args, router.openai_api; "
+    code = ("import sys, pagoda.router.server, pagoda.router.args, pagoda.router.openai_api; "
             "assert 'torch' not in sys.modules and not any(m.startswith('gpu_worker') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
@@ -82,12 +82,12 @@ def test_router_import_is_light():
 def test_http_port_zero_is_off_in_up_as_in_router(tmp_path, tiny_model):
     """`--http-port 0` means off in `pagoda up` as in `pagoda router` (the chart's httpPort: 0 too);
     without the flag `pagoda up` picks a free port (the test above reads it)."""
-    from clients.up import build_parser
-    from router.args import build_parser as router_parser
+    from pagoda.clients.up import build_parser
+    from pagoda.router.args import build_parser as router_parser
     assert build_parser().parse_args([]).http_port is None
     assert "0 = off" in router_parser().format_help() and "0 = off" in build_parser().format_help()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "clients.up", "--workers", "1", "--port", "0", "--http-port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda.clients.up", "--workers", "1", "--port", "0", "--http-port", "0",
                              "--device", "cpu", "--num-kv-blocks", "64", "--model", tiny_model,
                              "--cache-dir", str(tmp_path / "cache")],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -2,9 +2,9 @@
 valid batches for the runner, and step-varying kernel integers are not specialised."""
 import pytest
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.warmup import WarmupStep, reachable_splits, warmup_plan
-from kernels.triton_attention import _merge_splits_kernel, _paged_attn_kernel, num_kv_splits
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.runner.warmup import WarmupStep, reachable_splits, warmup_plan
+from pagoda.kernels.triton_attention import _merge_splits_kernel, _paged_attn_kernel, num_kv_splits
 
 SHAPES = [  # (max_num_seqs, max_model_len, kv heads, SMs, block_n)
     (256, 8192, 8, 132, 64),    # Llama-3-8B on an H200
@@ -28,7 +28,7 @@ def test_plan_covers_every_reachable_split_count(max_seqs, max_len, hkv, sms, bl
 
 
 def test_plan_steps_are_valid_runner_batches(tiny_model):
-    from gpu_worker.model_runner import ModelRunner
+    from pagoda.gpu_worker.runner.model_runner import ModelRunner
     r = ModelRunner(EngineConfig(model=tiny_model, device="cpu", block_size=16, num_kv_blocks=70,
                                  max_model_len=1024))
     r.allocate_kv_cache(70)

@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients import AsyncPagodaClient, PagodaClient
-from protos.pagoda.v1 import pagoda_pb2 as pb
-from protos.tokenization import PromptTokenizer
+from pagoda.clients import AsyncPagodaClient, PagodaClient
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.runtime.tokenization import PromptTokenizer
 from tests.plugins.servers import TINY_WORKER_FLAGS
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ def worker(tiny_worker):
 
 @pytest.fixture(scope="module")
 def offline(tiny_model):
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     return LLM(model=tiny_model, device="cpu", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=MAX_LEN)
 
 
@@ -54,7 +54,7 @@ def wait_idle(client, timeout=10.0) -> pb.LoadReport:
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0, max_tokens=16),
                                       dict(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=20)])
 def test_stream_equals_offline_api(client, offline, sampling):
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
     chunks = list(client.generate(PROMPT, ignore_eos=True, **sampling))
     streamed_ids = [t for c in chunks for t in c.token_ids]
     offline = offline.generate([PROMPT], SamplingParams(ignore_eos=True, **sampling))[0]
@@ -286,7 +286,7 @@ def test_vllm_metrics_prefix_serves_vllms_names_and_labels(start_worker, tiny_mo
 def test_backpressure_then_sigterm_drains_and_exits_zero(start_worker, tiny_model, redis_server):
     import redis
 
-    from protos import redis_schema as rs
+    from pagoda.protos import redis_schema as rs
     w = start_worker(tiny_model, num_kv_blocks=NUM_BLOCKS, max_num_seqs=1, max_waiting=1, drain_grace_seconds=20,
                      redis_url=redis_server.url, worker_id="drain-me")
     r = redis.Redis.from_url(redis_server.url)

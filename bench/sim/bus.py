@@ -1,6 +1,6 @@
 """Simulated workers publishing to a real Redis through the worker's own Publisher.
 
-One gpu_worker.publisher.Publisher per simulated worker, with the SimWorker standing in
+One pagoda.gpu_worker.serving.publisher.Publisher per simulated worker, with the SimWorker standing in
 for the AsyncLLM it reads. The publisher's background task runs on wall-clock time, so it
 is not started; instead its drain / push / heartbeat / snapshot steps are called at
 simulated-time ticks. What lands in Redis is byte for byte what a real worker writes, except
@@ -15,7 +15,7 @@ import dataclasses
 
 import redis.asyncio as aioredis
 
-from gpu_worker.publisher import Publisher
+from pagoda.gpu_worker.serving.publisher import Publisher
 
 MODEL = "sim-model"
 

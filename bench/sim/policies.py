@@ -21,15 +21,15 @@ import time
 
 import redis.asyncio as aioredis
 
-from protos import redis_schema as rs
-from protos.block_hash import namespace_root
-from router.breaker import CircuitBreaker
-from router.channels import WorkerChannels
-from router.cluster import Cluster
-from router.index import BlockIndex
-from router.prepare import Preparer
-from router.scoring import KV_KNEE, KV_PENALTY_TOKENS, Choice, Scorer, WorkerState, prefix_key
-from router.selection import Selector
+from pagoda.protos import redis_schema as rs
+from pagoda.protos.block_hash import namespace_root
+from pagoda.router.breaker import CircuitBreaker
+from pagoda.router.channels import WorkerChannels
+from pagoda.router.cluster import Cluster
+from pagoda.router.index import BlockIndex
+from pagoda.router.prepare import Preparer
+from pagoda.router.scoring import KV_KNEE, KV_PENALTY_TOKENS, Choice, Scorer, WorkerState, prefix_key
+from pagoda.router.selection import Selector
 
 from .bus import MODEL
 

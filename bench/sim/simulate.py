@@ -13,7 +13,7 @@ import itertools
 import statistics
 from dataclasses import dataclass
 
-from protos.block_hash import block_hashes
+from pagoda.protos.block_hash import block_hashes
 
 from .worker import SimWorker
 from .workloads import SimRequest

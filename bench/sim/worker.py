@@ -17,7 +17,7 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from protos.block_hash import block_hashes
+from pagoda.protos.block_hash import block_hashes
 
 from .workloads import SimRequest
 
@@ -39,7 +39,7 @@ class CostModel:
 
 @dataclass
 class SimStats:
-    """The fields of gpu_worker.outputs.EngineStats a publisher reads (that module imports torch)."""
+    """The fields of pagoda.gpu_worker.core.outputs.EngineStats a publisher reads (that module imports torch)."""
     running: int
     waiting: int
     queued_prefill_tokens: int

@@ -1,7 +1,7 @@
 """Native model implementations, looked up by the checkpoint's `architectures` entry."""
 from __future__ import annotations
 
-from gpu_worker.models.llama import LlamaForCausalLM
+from pagoda.gpu_worker.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,

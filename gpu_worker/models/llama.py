@@ -4,7 +4,7 @@ One implementation with the family differences as flags read from the HF config:
 (Qwen2, or attention_bias), per-head q/k RMSNorm (Qwen3), explicit head_dim, tied embeddings,
 rope_theta / rope scaling (default, linear, llama3), and per-layer sliding windows (Mistral,
 Qwen2/3 with use_sliding_window). Inputs are flat token rows [T] with
-their positions; attention goes through the paged KV cache (gpu_worker.attention).
+their positions; attention goes through the paged KV cache (pagoda.gpu_worker.models.attention).
 
 q/k/v and gate/up are fused into one matmul each; the loader stacks the HF weights to match.
 Arithmetic mirrors transformers' (fp32 RMSNorm variance, rope tables in fp32 cast to the
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention import AttentionMetadata, PagedAttention
-from gpu_worker.models.parallel import (
+from pagoda.gpu_worker.models.attention import AttentionMetadata, PagedAttention
+from pagoda.gpu_worker.models.parallel import (
     Linear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -28,8 +28,8 @@ from gpu_worker.models.parallel import (
     local_heads,
     parallel_logits,
 )
-from kernels.cpu_ops import add_rms_norm_cpu, rotary_cpu, silu_mul_cpu
-from kernels.reference import add_rms_norm_ref, rotary_ref
+from pagoda.kernels.cpu_ops import add_rms_norm_cpu, rotary_cpu, silu_mul_cpu
+from pagoda.kernels.reference import add_rms_norm_ref, rotary_ref
 
 
 class RMSNorm(nn.Module):
@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
         if self.ops == "cpu":
             return add_rms_norm_cpu(x, residual, self.weight, self.eps)
         if self.ops == "triton" and x.dim() == 2:
-            from kernels.triton_norm import add_rms_norm_triton  # triton loads only when used
+            from pagoda.kernels.triton_norm import add_rms_norm_triton  # triton loads only when used
             return add_rms_norm_triton(x, residual, self.weight, self.eps)
         return add_rms_norm_ref(x, residual, self.weight, self.eps)
 
@@ -126,7 +126,7 @@ class RotaryEmbedding(nn.Module):
         if self.ops == "cpu":
             return rotary_cpu(positions, q, k, cos, sin)
         if self.ops == "triton":
-            from kernels.triton_norm import rotary_triton
+            from pagoda.kernels.triton_norm import rotary_triton
             return rotary_triton(positions, q, k, cos, sin)
         return rotary_ref(positions, q, k, cos, sin)
 
@@ -161,7 +161,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                                    sliding_window=layer_sliding_window(cfg, layer))
-        # Multi-LoRA (gpu_worker.lora.LoRAManager sets them): add the step's adapter deltas.
+        # Multi-LoRA (pagoda.gpu_worker.features.lora.LoRAManager sets them): add the step's adapter deltas.
         self.lora_qkv = self.lora_o = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
 
     # Fused parameter -> the HF parameters stacked into it, in order (dim 0).
     stacked_params = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    # Its layers shard over tensor-parallel ranks (gpu_worker.models.parallel).
+    # Its layers shard over tensor-parallel ranks (pagoda.gpu_worker.models.parallel).
     tensor_parallel = True
 
     def __init__(self, cfg):

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm, cpu_gemv, cpu_lib
-from kernels.cpu_lib import GEMV_MAX_M
+from pagoda.kernels import cpu_gemm, cpu_gemv, cpu_lib
+from pagoda.kernels.cpu_lib import GEMV_MAX_M
 
 CPU_GEMMS = ("auto", "onednn", "torch")
 
@@ -155,7 +155,7 @@ def check_tensor_parallel(cfg, size: int, device: str) -> None:
         raise ValueError(f"tensor_parallel_size: must be a positive integer (got {size!r})")
     if size == 1:
         return
-    from gpu_worker.models import model_class
+    from pagoda.gpu_worker.models import model_class
     if not getattr(model_class(cfg), "tensor_parallel", False):
         raise ValueError(f"tensor_parallel_size: {size} needs a model that shards (native Llama family); "
                          f"{model_class(cfg).__name__} does not")
@@ -215,7 +215,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
             return dense_linear(x, self.weight, self.bias)
-        from gpu_worker.distributed import all_reduce
+        from pagoda.gpu_worker.runner.distributed import all_reduce
         y = all_reduce(dense_linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
@@ -233,7 +233,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
             return F.embedding(ids, self.weight)
-        from gpu_worker.distributed import all_reduce
+        from pagoda.gpu_worker.runner.distributed import all_reduce
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
@@ -244,6 +244,6 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, shard: Shard) ->
     """fp32 logits over the whole vocabulary on rank 0 (each rank computes its vocab range)."""
     logits = dense_linear(hidden, weight)
     if shard.size > 1:
-        from gpu_worker.distributed import gather_last_dim
+        from pagoda.gpu_worker.runner.distributed import gather_last_dim
         logits = gather_last_dim(logits, shard.rank, shard.size)
     return logits.float()

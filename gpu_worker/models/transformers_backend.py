@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention import AttentionMetadata, PagedAttention
+from pagoda.gpu_worker.models.attention import AttentionMetadata, PagedAttention
 
 ATTN_IMPLEMENTATION = "pagoda"
 

@@ -31,11 +31,13 @@ RUN pip install --no-cache-dir -c constraints.txt -r requirements.txt \
  && python -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch in the router image'"
 
 COPY pyproject.toml README.md ./
+COPY pagoda ./pagoda
 COPY protos ./protos
+COPY runtime ./runtime
 COPY router ./router
 COPY clients ./clients
 RUN pip install --no-cache-dir --no-deps . \
- && python -c "import router.server, clients.cli" \
+ && python -c "import pagoda.router.server, pagoda.clients.cli" \
  && cd / && rm -rf /src
 
 WORKDIR /

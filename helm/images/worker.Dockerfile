@@ -53,14 +53,16 @@ RUN TORCH="$(python -c 'import torch; print(torch.__version__)')" \
  && python -c "import sys, torch; assert sys.argv[1] == 'cpu' or torch.version.cuda, 'torch without CUDA in the worker image'" "$DEVICE"
 
 COPY pyproject.toml README.md ./
+COPY pagoda ./pagoda
 COPY protos ./protos
+COPY runtime ./runtime
 COPY kernels ./kernels
 COPY gpu_worker ./gpu_worker
 COPY clients ./clients
 # /models, empty and owned by the worker user: a new named volume mounted there (compose.yaml) takes
 # that owner, so a container of this image can write a checkpoint into it.
 RUN pip install --no-cache-dir --no-deps . \
- && python -c "import gpu_worker.server, clients.cli" \
+ && python -c "import pagoda.gpu_worker.serving.server, pagoda.clients.cli" \
  && install -d -o 10001 -g 10001 /models \
  && cd / && rm -rf /src
 

@@ -2,7 +2,7 @@
 
 A stand-in worker (`python -m tests.plugins.cluster ...`) is a real gRPC Generation server whose
 engine is a bounded LRU prefix cache with no model: it reports the cached prompt tokens it really
-found, publishes through the real gpu_worker.publisher.Publisher, and streams `max_tokens` dummy
+found, publishes through the real pagoda.gpu_worker.serving.publisher.Publisher, and streams `max_tokens` dummy
 tokens with a configurable delay. It starts in a fraction of a second and needs no torch, so
 routing, failover and Redis outages can be tested fast; the full-model end-to-end tests use
 real workers (tests/plugins/servers.py).
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from protos.lifetime import PARENT_PID_ENV
+from pagoda.runtime.lifetime import PARENT_PID_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 _LISTEN = re.compile(r"listening on [^\s]+:(\d+)")
@@ -60,7 +60,7 @@ class FakeEngine:
         self.running = self.queued = 0
 
     def admit(self, token_ids: list[int], adapter: str, salt: str) -> int:
-        from protos.block_hash import block_hashes, namespace_root
+        from pagoda.protos.block_hash import block_hashes, namespace_root
         hashes = block_hashes(token_ids, self.block_size, namespace_root(self.model_name, adapter, salt))
         with self.lock:
             hit = 0
@@ -98,8 +98,8 @@ def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_
               misbehave: str = ""):
     import grpc
 
-    from protos.pagoda.v1 import pagoda_pb2 as pb
-    from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+    from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+    from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 
     failures_left = [fail_first]
 
@@ -154,9 +154,9 @@ async def _serve_fake(a) -> None:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from gpu_worker.publisher import Publisher
-    from protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
-    from protos.tokenization import tokenizer_digest
+    from pagoda.gpu_worker.serving.publisher import Publisher
+    from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+    from pagoda.runtime.tokenization import tokenizer_digest
     engine = FakeEngine(a.model, a.block_size, a.num_blocks)
     server = grpc.aio.server()
     tok_json = word_tokenizer_json()
@@ -284,10 +284,10 @@ def start_fake_worker(cluster_procs, tmp_path):
 @pytest.fixture
 def start_router(cluster_procs, tmp_path):
     def start(redis_url: str, **flags) -> Proc:
-        from clients.up import free_port
+        from pagoda.clients.up import free_port
         metrics_port = free_port()
         # HTTP off unless a test asks (http_port=free_port()): the default 8000 would collide.
-        args = ["-m", "router", "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_url,
+        args = ["-m", "pagoda.router", "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_url,
                 "--metrics-port", str(metrics_port), "--http-port", str(flags.pop("http_port", 0))]
         for k, v in flags.items():
             args += ["--" + k.replace("_", "-"), str(v)]

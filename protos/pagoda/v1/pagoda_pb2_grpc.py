@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.pagoda.v1 import pagoda_pb2 as protos_dot_pagoda_dot_v1_dot_pagoda__pb2
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/pagoda/v1/pagoda_pb2_grpc.py depends on'
+        + ' but the generated code in pagoda/protos/pagoda/v1/pagoda_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/pagoda.v1.Generation/Generate',
-                request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateResponse.FromString,
+                request_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pagoda.v1.Generation/GetModelInfo',
-                request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.ModelInfoResponse.FromString,
+                request_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/pagoda.v1.Generation/Tokenize',
-                request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeResponse.FromString,
+                request_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.Route = channel.unary_unary(
                 '/pagoda.v1.Generation/Route',
-                request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.RouteResponse.FromString,
+                request_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.RouteResponse.FromString,
                 _registered_method=True)
 
 
@@ -93,23 +93,23 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.ModelInfoRequest.FromString,
-                    response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.ModelInfoResponse.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.ModelInfoRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.ModelInfoResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeRequest.FromString,
-                    response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeResponse.SerializeToString,
             ),
             'Route': grpc.unary_unary_rpc_method_handler(
                     servicer.Route,
-                    request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.RouteResponse.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.RouteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -137,8 +137,8 @@ class Generation:
             request,
             target,
             '/pagoda.v1.Generation/Generate',
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.SerializeToString,
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateResponse.FromString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.SerializeToString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -164,8 +164,8 @@ class Generation:
             request,
             target,
             '/pagoda.v1.Generation/GetModelInfo',
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.ModelInfoRequest.SerializeToString,
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.ModelInfoResponse.FromString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.ModelInfoRequest.SerializeToString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.ModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -191,8 +191,8 @@ class Generation:
             request,
             target,
             '/pagoda.v1.Generation/Tokenize',
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeRequest.SerializeToString,
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeResponse.FromString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeRequest.SerializeToString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -218,8 +218,8 @@ class Generation:
             request,
             target,
             '/pagoda.v1.Generation/Route',
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.SerializeToString,
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.RouteResponse.FromString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.GenerateRequest.SerializeToString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -242,28 +242,28 @@ class AdminStub:
         """
         self.GetLoad = channel.unary_unary(
                 '/pagoda.v1.Admin/GetLoad',
-                request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadRequest.SerializeToString,
-                response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadReport.FromString,
+                request_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadReport.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pagoda.v1.Admin/Abort',
-                request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.AbortResponse.FromString,
+                request_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/pagoda.v1.Admin/Drain',
-                request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainRequest.SerializeToString,
-                response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainResponse.FromString,
+                request_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainResponse.FromString,
                 _registered_method=True)
         self.LoadLoRAAdapter = channel.unary_unary(
                 '/pagoda.v1.Admin/LoadLoRAAdapter',
-                request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadLoRAAdapterRequest.SerializeToString,
-                response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
+                request_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
                 _registered_method=True)
         self.UnloadLoRAAdapter = channel.unary_unary(
                 '/pagoda.v1.Admin/UnloadLoRAAdapter',
-                request_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.UnloadLoRAAdapterRequest.SerializeToString,
-                response_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
+                request_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
                 _registered_method=True)
 
 
@@ -309,28 +309,28 @@ def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadRequest.FromString,
-                    response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadReport.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadReport.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.AbortRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.AbortResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
-                    request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainRequest.FromString,
-                    response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainResponse.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainResponse.SerializeToString,
             ),
             'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoRAAdapter,
-                    request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadLoRAAdapterRequest.FromString,
-                    response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.SerializeToString,
             ),
             'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLoRAAdapter,
-                    request_deserializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.UnloadLoRAAdapterRequest.FromString,
-                    response_serializer=protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.SerializeToString,
+                    request_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,8 +358,8 @@ class Admin:
             request,
             target,
             '/pagoda.v1.Admin/GetLoad',
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadRequest.SerializeToString,
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadReport.FromString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadRequest.SerializeToString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -385,8 +385,8 @@ class Admin:
             request,
             target,
             '/pagoda.v1.Admin/Abort',
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.AbortRequest.SerializeToString,
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.AbortResponse.FromString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.AbortRequest.SerializeToString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -412,8 +412,8 @@ class Admin:
             request,
             target,
             '/pagoda.v1.Admin/Drain',
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainRequest.SerializeToString,
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainResponse.FromString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainRequest.SerializeToString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -439,8 +439,8 @@ class Admin:
             request,
             target,
             '/pagoda.v1.Admin/LoadLoRAAdapter',
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadLoRAAdapterRequest.SerializeToString,
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -466,8 +466,8 @@ class Admin:
             request,
             target,
             '/pagoda.v1.Admin/UnloadLoRAAdapter',
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.UnloadLoRAAdapterRequest.SerializeToString,
-            protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,2 @@
+"""The model runner: a scheduled step in, sampled tokens out. Persistent input batch, sampler,
+checkpoint loading, CUDA graphs, warm-up, memory sizing and the tensor-parallel ranks."""

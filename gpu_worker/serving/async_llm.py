@@ -1,0 +1,356 @@
+"""asyncio streaming over one LLMEngine: many concurrent request streams, one engine loop.
+
+One writer: the model forward blocks, so engine steps run in one dedicated thread, and that
+thread alone touches the engine. Adds and aborts cross into it as typed commands through a
+thread-safe queue. After every turn it pushes out what others read: deltas to each stream's
+event loop (call_soon_threadsafe), an immutable EngineStats snapshot, and KV events (with a
+mirror of the cached hashes they imply). The event loop reads only those, so GetLoad, health
+checks and the publisher never wait on a step. A stream whose consumer stops early
+(aclose, cancellation) aborts its request, which frees its blocks at the engine's next turn.
+A stream yields deltas through a Coalescer (gpu_worker/serving/coalesce.py): what queued up since its
+consumer last read is merged per sequence, and config.stream_interval holds tokens back.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.core.outputs import EngineStats, StreamDelta
+from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.engine.llm_engine import LLMEngine
+from pagoda.gpu_worker.serving.coalesce import Coalescer
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """The waiting queue already holds config.max_waiting requests."""
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.left = n            # sequences not yet finished
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass                 # the consumer's loop is closed: nobody to tell
+
+
+@dataclass(frozen=True)
+class AddCommand:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str
+    adapter: str
+    stream: _Stream
+
+
+@dataclass(frozen=True)
+class AbortCommand:
+    request_id: str
+    notify: bool             # False: the consumer is gone, send it nothing
+
+
+@dataclass(frozen=True)
+class StopCommand:
+    pass
+
+
+@dataclass(frozen=True)
+class CallCommand:
+    """Run fn(engine) in the engine's thread between steps; its result or error goes to `done`
+    (called in the engine thread)."""
+    fn: Callable[[LLMEngine], Any]
+    done: Callable[[Any, Optional[BaseException]], None]
+
+
+Command = Union[AddCommand, AbortCommand, StopCommand, CallCommand]
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config)
+        self.config = config
+        for name in ("tokenizer", "model_name", "vocab_size", "max_model_len", "block_size",
+                     "num_blocks", "eos_token_ids"):
+            setattr(self, name, getattr(self.engine, name))
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        # Adds sent (written by the event loop) and adds applied (written by the engine thread):
+        # each counter has one writer, so their difference needs no lock.
+        self._adds_sent = 0
+        self._adds_applied = 0
+        # What the engine thread publishes after each turn. The lock guards only the event
+        # buffer and the mirror, for microseconds, and is never held across a step.
+        self._stats: EngineStats = self.engine.stats()
+        self._out_lock = threading.Lock()
+        self._events: list[tuple[str, bytes]] = []
+        self._cached: dict[bytes, None] = {}     # insertion-ordered set of cached hashes
+        self._host_events: list[tuple[str, bytes]] = []     # the same for the host KV tier
+        self._host_cached: dict[bytes, None] = {}
+        self._closed = False
+        self._lora_adapters: tuple[str, ...] = tuple(self.engine.lora_adapters())
+        self._lora_resident: tuple[str, ...] = ()
+        self.fatal: BaseException | None = None   # set when the engine can never step again
+        tp = getattr(self.engine.runner, "tp", None)
+        if tp is not None:
+            tp.on_failure(self._die)
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (event loop) -------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0, cache_salt: str = "", adapter: str = ""
+                       ) -> AsyncIterator[StreamDelta]:
+        if self._closed:
+            raise RuntimeError("AsyncLLM is shut down")
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self.engine.validate_request(request_id, prompt_token_ids, params, priority, cache_salt,
+                                     adapter, check_id=False)
+        if self._num_queued() >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        stream = _Stream(asyncio.get_running_loop(), params.n)
+        self._streams[request_id] = stream
+        self._adds_sent += 1
+        self._commands.put(AddCommand(request_id, list(prompt_token_ids), params, priority,
+                                      cache_salt, adapter, stream))
+        done = False
+        coalescer = Coalescer(self.config.stream_interval)
+        q = stream.queue
+        try:
+            while stream.left:
+                # Everything that queued up while the last delta was out (being sent) goes in
+                # together: one merged delta per sequence (gpu_worker/serving/coalesce.py).
+                items = [await q.get()]
+                while not q.empty() and not isinstance(items[-1], BaseException):
+                    items.append(q.get_nowait())
+                error = items.pop() if isinstance(items[-1], BaseException) else None
+                for d in coalescer.push([d for item in items for d in item]):
+                    stream.left -= d.finished
+                    yield d
+                if error is not None:
+                    done = True
+                    raise error
+            done = True
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not done:
+                self._commands.put(AbortCommand(request_id, notify=False))
+
+    def _num_queued(self) -> int:
+        """Requests that would wait: the engine's queue plus adds still crossing over, less
+        the free sequence slots those adds can take at once."""
+        s = self._stats
+        free_slots = max(0, self.config.max_num_seqs - s.running)
+        in_flight = self._adds_sent - self._adds_applied
+        return s.waiting + max(0, in_flight - free_slots)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a live request; its stream ends with finish_reason "abort"."""
+        if request_id not in self._streams:
+            return False
+        self._commands.put(AbortCommand(request_id, notify=True))
+        return True
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine), run in the engine's thread between two steps (it alone touches the engine)."""
+        if self._closed:
+            raise RuntimeError("AsyncLLM is shut down")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def done(result, error) -> None:
+            def settle() -> None:
+                if fut.done():
+                    return
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(result)
+            loop.call_soon_threadsafe(settle)
+
+        self._commands.put(CallCommand(fn, done))
+        return await fut
+
+    def lora_adapters(self) -> list[str]:
+        """Adapters requests may name (a copy taken in one step, without waiting on the engine)."""
+        return list(self._lora_adapters)
+
+    def lora_resident(self) -> list[str]:
+        """Those of them in a device slot after the engine's last turn."""
+        return list(self._lora_resident)
+
+    async def load_lora_adapter(self, name: str, path: str) -> list[str]:
+        """Read a PEFT adapter (in a worker thread: the engine keeps stepping meanwhile), then
+        register it in the engine's thread; -> the adapters loaded after."""
+        runner = self.engine.runner
+        if runner.lora is None:
+            raise ValueError("lora_name: this worker runs without --enable-lora")
+        if not isinstance(name, str) or not name or name == self.engine.model_name:
+            raise ValueError(f"lora_name: must be a non-empty name other than the base model's (got {name!r})")
+        if not path:
+            raise ValueError("lora_path: must name the adapter's directory")
+        if name in runner.lora.adapters:
+            raise ValueError(f"lora_name: adapter {name!r} is already loaded")
+        from pagoda.gpu_worker.features.lora import load_peft_adapter
+        adapter = await asyncio.to_thread(load_peft_adapter, name, path, runner.hf_config, runner.lora.max_rank)
+
+        def register(engine: LLMEngine) -> list[str]:
+            engine.load_lora_adapter(name, adapter=adapter)
+            return engine.lora_adapters()
+        return await self.call(register)
+
+    async def unload_lora_adapter(self, name: str) -> list[str]:
+        def forget(engine: LLMEngine) -> list[str]:
+            engine.unload_lora_adapter(name)
+            return engine.lora_adapters()
+        return await self.call(forget)
+
+    def stats(self) -> EngineStats:
+        """The snapshot published after the engine's last turn."""
+        return self._stats
+
+    def take_kv_events(self) -> list[tuple[str, bytes]]:
+        with self._out_lock:
+            events, self._events = self._events, []
+        return events
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Cached hashes as of the last published events (those taken or still to take)."""
+        with self._out_lock:
+            return list(self._cached)
+
+    def take_host_kv_events(self) -> list[tuple[str, bytes]]:
+        with self._out_lock:
+            events, self._host_events = self._host_events, []
+        return events
+
+    def cached_hashes_by_tier(self) -> tuple[list[bytes], list[bytes]]:
+        """(device, host) cached hashes as of the same published events."""
+        with self._out_lock:
+            return list(self._cached), list(self._host_cached)
+
+    def _die(self, error: BaseException) -> None:
+        """A tensor-parallel rank died (any thread): refuse new requests and end every stream with
+        the error now, even while the engine thread is stuck in a collective."""
+        self.fatal = error
+        self._closed = True
+        for stream in list(self._streams.values()):
+            stream.put(error)
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._commands.put(StopCommand())
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.engine.runner.close()     # the other tensor-parallel ranks, if any
+
+    # ---- engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        pending: dict[str, _Stream] = {}      # request id -> stream, as the engine thread sees it
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            commands = [] if busy else [self._commands.get()]
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in commands:
+                if isinstance(cmd, StopCommand):
+                    self._fail_all(pending, RuntimeError("AsyncLLM is shut down"))
+                    return
+                self._apply(cmd, pending)
+            deltas: list[StreamDelta] = []
+            if self.engine.has_unfinished_requests():
+                try:
+                    deltas = self.engine.step()
+                except Exception as e:     # a failed step fails its requests, not the worker
+                    logger.exception("engine step failed")
+                    self._fail_all(pending, e)
+            # Published before any stream hears of the step, so that whoever sees a delta
+            # (or an error) then sees figures at least as new.
+            self._publish()
+            self._dispatch(deltas, pending)
+
+    def _publish(self) -> None:
+        events = self.engine.take_kv_events()
+        host_events = self.engine.take_host_kv_events()
+        stats = self.engine.stats()
+        lora = self.engine.runner.lora
+        if lora is not None:
+            self._lora_resident = tuple(lora.resident())
+        if events or host_events:
+            with self._out_lock:
+                for buffer, mirror, new in ((self._events, self._cached, events),
+                                            (self._host_events, self._host_cached, host_events)):
+                    buffer.extend(new)
+                    for kind, h in new:
+                        if kind == "stored":
+                            mirror[h] = None
+                        else:
+                            mirror.pop(h, None)
+        self._stats = stats
+
+    def _apply(self, cmd: Command, pending: dict[str, _Stream]) -> None:
+        if isinstance(cmd, AddCommand):
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                        cmd.priority, cmd.cache_salt, cmd.adapter)
+                pending[cmd.request_id] = cmd.stream
+            except Exception as e:
+                cmd.stream.put(e)
+            finally:
+                self._adds_applied += 1
+        elif isinstance(cmd, CallCommand):
+            try:
+                result = cmd.fn(self.engine)
+            except Exception as e:
+                cmd.done(None, e)
+            else:
+                cmd.done(result, None)
+            self._lora_adapters = tuple(self.engine.lora_adapters())
+        elif isinstance(cmd, AbortCommand):
+            before = len(self.engine.pending)
+            self.engine.abort_request(cmd.request_id)
+            if not cmd.notify:
+                # The consumer is gone and the id may be reused at once: drop the abort
+                # notices so that they cannot reach a newcomer of the same name.
+                del self.engine.pending[before:]
+                pending.pop(cmd.request_id, None)
+
+    def _dispatch(self, deltas: list[StreamDelta], pending: dict[str, _Stream]) -> None:
+        by_request: dict[str, list[StreamDelta]] = {}
+        for d in deltas:
+            by_request.setdefault(d.request_id, []).append(d)
+        for rid, ds in by_request.items():
+            stream = pending.get(rid)
+            if stream is None:
+                continue
+            stream.put(ds)
+            if rid not in self.engine.children:
+                del pending[rid]
+
+    def _fail_all(self, pending: dict[str, _Stream], error: BaseException) -> None:
+        self.engine.abort_request(list(self.engine.children))
+        self.engine.pending.clear()
+        self._publish()
+        for stream in pending.values():
+            stream.put(error)
+        pending.clear()
