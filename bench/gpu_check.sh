@@ -2,7 +2,7 @@
 # The GPU check of issue 11, in one run of at most 8 minutes on one H200 (the parts' limits add up
 # to 480 s, under the device's 600 s a command and leaving room in its 15-minute budget), installing nothing:
 #   1. the GPU tests (and the CPU twins beside them, which must pass on a GPU host too),
-#   2. python bench/kernels.py --quick (decode attention vs the 4.3 TB/s bound, fused ops),
+#   2. python bench/gpu_kernels.py --quick (decode attention vs the 4.3 TB/s bound, fused ops),
 #   3. bench/gpu_e2e.py: random bf16 Llama-3.2-1B and Llama-3-8B shapes at batch 1, 64, 256,
 #      CUDA graphs against --enforce-eager: tok/s, decode step, forward/host split, bound share.
 #   4. bench/quant.py --gpu: a Llama-3-8B layer's linears in bf16, fp8 (torch._scaled_mm) and
@@ -83,7 +83,7 @@ if [ $DRY = 0 ]; then
 fi
 # shellcheck disable=SC2086
 part gpu_tests 170 "$PY" -m pytest -q -rs -p no:cacheprovider $GPU_TESTS
-part kernels 70 "$PY" bench/kernels.py --quick --no-flex --budget-s 55 --out "$OUT/kernels.md"
+part kernels 70 "$PY" bench/gpu_kernels.py --quick --no-flex --budget-s 55 --out "$OUT/kernels.md"
 if [ $DRY = 1 ]; then
     part e2e 120 "$PY" bench/gpu_e2e.py --dry-run --out "$OUT"
 else

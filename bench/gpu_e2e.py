@@ -155,7 +155,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     import tempfile
 
-    from pagoda.gpu_worker import LLM, model_runner
+    from pagoda.gpu_worker import LLM
+    from pagoda.gpu_worker.runner import model_runner
     model_runner.load_model = random_model  # type: ignore[assignment]
     rows = []
     with open(os.path.join(args.out, "e2e.jsonl"), "w") as log:

@@ -2,7 +2,7 @@
 
 Same contracts as pagoda.kernels.reference.add_rms_norm_ref / rotary_ref. Each replaces a chain of
 elementwise torch ops (several kernel launches and round trips through memory per layer) with
-one pass; whether that matters is for bench/kernels.py on a GPU to show.
+one pass; whether that matters is for bench/gpu_kernels.py on a GPU to show.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ site-packages.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -60,7 +61,11 @@ def test_no_top_level_folder_shadows_a_package_of_its_bare_name():
 
 
 def test_a_wheel_holds_pagoda_alone_and_serves_a_request(tmp_path, tiny_model):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(ROOT)],
+    # Built from a copy: setuptools leaves build/ in the tree it builds.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", "build", "*.egg-info", "__pycache__", "bench", "tests", "helm", "*.png"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(src)],
                    check=True, capture_output=True, timeout=600)
     wheel, = (tmp_path / "dist").glob("pagoda_serve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -86,3 +91,13 @@ def test_a_wheel_holds_pagoda_alone_and_serves_a_request(tmp_path, tiny_model):
         assert final.finished and final.usage.completion_tokens == 3
     finally:
         assert worker.stop() == 0
+
+
+def test_no_bench_script_shadows_an_installed_package():
+    """`python bench/x.py` puts bench/ first on sys.path: a bench/kernels.py hid Hugging Face's
+    kernels from transformers in every bench run."""
+    import importlib.metadata
+    installed = importlib.metadata.packages_distributions()
+    for folder in (ROOT / "bench", ROOT / "bench" / "sim"):
+        clash = {p.name: installed[p.stem] for p in folder.glob("*.py") if p.stem in installed}
+        assert not clash, f"{folder.relative_to(ROOT)}: {clash} shadow installed packages; rename them"

@@ -1,8 +1,8 @@
 """Paged-attention kernel benchmark: correctness against an fp32 reference, then timings.
 
 On a GPU (made for one H200 run of a few minutes):
-  python bench/kernels.py --quick        # reduced sweep
-  python bench/kernels.py                # full sweep
+  python bench/gpu_kernels.py --quick        # reduced sweep
+  python bench/gpu_kernels.py                # full sweep
 Llama-3-8B attention shapes (32 query heads, 8 KV heads, head dim 128, bf16). The KV pool is
 several GiB (far beyond L2) and every block table is a random scatter across it; decode lengths
 are ragged. Our kernels are timed against torch SDPA on contiguous KV, gather-then-SDPA, and
@@ -12,7 +12,7 @@ percentage is of the H200's 4.3 TB/s. A step-level figure times one decode step 
 Llama-3-8B-shaped stack with random weights, per attention backend and with/without the fused
 small ops. Output: markdown tables on stdout (and --out FILE).
 
-On CPU: TRITON_INTERPRET=1 python bench/kernels.py --cpu  (toy sizes, correctness only; every
+On CPU: TRITON_INTERPRET=1 python bench/gpu_kernels.py --cpu  (toy sizes, correctness only; every
 code path of the sweep runs once so a GPU run does not fail on a typo).
 """
 from __future__ import annotations
