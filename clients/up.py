@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagoda.runtime.lifetime import PARENT_PID_ENV
+from pagoda.runtime.lifetime import PARENT_PID_ENV, end_with_spawner
 
 DEFAULT_CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
 
@@ -140,10 +140,12 @@ class Cluster:
 
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")
-        # The servers end with this process even when it is killed outright (pagoda.runtime.serving.die_with_parent).
+        # Every child ends with this process even when it is killed outright: the servers watch
+        # PAGODA_PARENT_PID (pagoda.runtime.lifetime.die_with_parent), and the kernel's parent-death
+        # signal covers what cannot watch (redis-server).
         env = {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
+                                start_new_session=True, env=env, preexec_fn=end_with_spawner())
         log.close()
         self.procs.append((name, proc))
         print(f"pagoda up: started {name} (pid {proc.pid}), log {self.log_dir / (name + '.log')}", flush=True)

@@ -2,12 +2,16 @@
 Standard library only: the test plugins import it on machines without grpc."""
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
 import time
+from typing import Callable
 
 PARENT_PID_ENV = "PAGODA_PARENT_PID"
+_PR_SET_PDEATHSIG = 1     # linux/prctl.h
 
 
 def die_with_parent(poll_s: float = 0.5) -> None:
@@ -26,3 +30,21 @@ def die_with_parent(poll_s: float = 0.5) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+def end_with_spawner() -> Callable[[], None] | None:
+    """A preexec_fn for a child that cannot watch its parent itself (redis-server): Linux sends
+    the child SIGTERM when the thread that spawned it ends, so a spawner killed outright still
+    takes it along. Only for spawns from a thread that lives as long as the process (the main
+    thread of `pagoda up`); None where there is no prctl."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    spawner = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != spawner:         # the spawner died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec

@@ -69,13 +69,14 @@ def test_up_serves_then_ctrl_c_stops_everything(tmp_path):
 
 
 def test_up_import_is_light():
-    code = "import sys, pagoda.clients.up; assert 'torch' not in sys.modules and 'gpu_worker' not in sys.modules"
+    code = ("import sys, pagoda.clients.up; "
+            "assert 'torch' not in sys.modules and not any(m.startswith('pagoda.gpu_worker') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
 def test_router_import_is_light():
     code = ("import sys, pagoda.router.server, pagoda.router.args, pagoda.router.openai_api; "
-            "assert 'torch' not in sys.modules and not any(m.startswith('gpu_worker') for m in sys.modules)")
+            "assert 'torch' not in sys.modules and not any(m.startswith('pagoda.gpu_worker') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
@@ -115,3 +116,40 @@ def test_http_port_zero_is_off_in_up_as_in_router(tmp_path, tiny_model):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_up_killed_outright_leaves_nothing_behind(tmp_path, tiny_model):
+    """SIGKILL gives `pagoda up` no chance to stop its children: the workers and the router end
+    through die_with_parent, the embedded redis-server (which cannot watch its parent) through the
+    parent-death signal that `up` asks the kernel for."""
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda.clients.up", "--workers", "1", "--port", "0", "--http-port", "0",
+                             "--device", "cpu", "--num-kv-blocks", "64", "--model", tiny_model,
+                             "--cache-dir", str(tmp_path / "cache")],
+                            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    pids: dict[str, int] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while not any("router at" in x for x in lines) and time.monotonic() < deadline:
+            line = proc.stdout.readline()      # type: ignore[union-attr]
+            if not line:
+                break
+            lines.append(line)
+        pids = {m[0]: int(m[1]) for m in re.findall(r"started (\S+) \(pid (\d+)\)", "".join(lines))}
+        assert set(pids) == {"redis", "router", "worker-0"}, "".join(lines)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while [p for p in pids.values() if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not {n: p for n, p in pids.items() if _alive(p)}, "outlived a killed pagoda up"
+    finally:
+        for pid in pids.values():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
