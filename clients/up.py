@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -25,6 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagoda.runtime.cli_help import DefaultsHelpFormatter
 from pagoda.runtime.lifetime import PARENT_PID_ENV, end_with_spawner
 
 DEFAULT_CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
@@ -111,8 +113,21 @@ def default_model(cache_dir: Path) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagoda up", description="Run redis, N workers and a router locally.")
-    p.add_argument("--workers", type=int, default=2)
+    p = argparse.ArgumentParser(
+        prog="pagoda up", formatter_class=DefaultsHelpFormatter,
+        description="Run redis, N workers and a router locally.",
+        epilog="Any worker or router flag passes through, in its own words: --worker-args '--enable-lora "
+               "--lora-modules sql=/adapters/sql' gives it to every worker, --router-args '--tool-call-parser "
+               "hermes' to the router, and each --worker '...' adds one worker of its own kind beside the "
+               "--workers plain ones (e.g. --workers 1 --worker '--quantization fp8'). `up` itself sets --host, "
+               "--port, --redis-url, --worker-id, --metrics-port and --device; see `pagoda worker --help` "
+               "and `pagoda router --help` for the rest.")
+    p.add_argument("--workers", type=int, default=None,
+                   help="plain workers (default: 2, or 0 when --worker is given)")
+    p.add_argument("--worker", action="append", default=[], metavar="FLAGS",
+                   help="one more worker with these worker flags (repeatable)")
+    p.add_argument("--worker-args", default="", metavar="FLAGS", help="flags for every worker")
+    p.add_argument("--router-args", default="", metavar="FLAGS", help="flags for the router")
     p.add_argument("--model", help="checkpoint directory (default: the tiny model, built once)")
     p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
     p.add_argument("--host", default="127.0.0.1", help="address the router and workers bind")
@@ -120,15 +135,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=None,
                    help="router's OpenAI HTTP port (default: any free port, printed; 0 = off, as in "
                         "`pagoda router`)")
-    p.add_argument("--policy", default="prefix_aware", choices=("prefix_aware", "least_loaded", "round_robin"))
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--policy", default="prefix_aware", choices=("prefix_aware", "least_loaded", "round_robin"),
+                   help="the router's worker choice")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="the workers' device")
     p.add_argument("--num-kv-blocks", type=int, help="passed to each worker")
     p.add_argument("--router-metrics-port", type=int, default=0, help="0 = off")
     p.add_argument("--no-worker-metrics", action="store_true",
                    help="by default each worker serves Prometheus metrics on a free port (printed)")
-    p.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
+    p.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="the tiny model and the logs ($PAGODA_CACHE)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for everything to serve")
     return p
+
+
+_PASS_THROUGH = ("--worker", "--worker-args", "--router-args")
+
+
+def _glue_pass_through(argv: list[str]) -> list[str]:
+    """`--worker-args "--enable-lora"` as a user types it: argparse takes a value that starts with
+    '-' for a flag of its own, so each pass-through flag is glued to the word after it."""
+    out, words = [], iter(argv)
+    for word in words:
+        out.append(f"{word}={next(words, '')}" if word in _PASS_THROUGH else word)
+    return out
 
 
 class Cluster:
@@ -167,18 +195,28 @@ class Cluster:
                 pass
             proc.wait()
 
-    def exited(self) -> tuple[str, int] | None:
+    def exited(self) -> str | None:
+        """'<name> exited with code N: <its last log line>' for the first child that has ended."""
         for name, proc in self.procs:
             if proc.poll() is not None:
-                return name, proc.returncode
+                lines = (self.log_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()
+                return f"{name} exited with code {proc.returncode}" + (f": {lines[-1].strip()}" if lines else "")
         return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    if a.workers < 1:
-        print("pagoda up: --workers must be at least 1", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    a = parser.parse_args(_glue_pass_through(sys.argv[1:] if argv is None else argv))
+    if a.workers is None:
+        a.workers = 0 if a.worker else 2
+    try:
+        a.worker_flags = [shlex.split(a.worker_args)] * a.workers + [shlex.split(a.worker_args) + shlex.split(w)
+                                                                     for w in a.worker]
+        a.router_flags = shlex.split(a.router_args)
+    except ValueError as e:
+        parser.error(f"--worker/--worker-args/--router-args: {e}")
+    if a.workers < 0 or not a.worker_flags:
+        parser.error("--workers: at least one worker is needed (--workers N or --worker FLAGS)")
     from pagoda.runtime.serving import StartupError, check_port_free
     try:                                 # before building or starting anything
         check_port_free(a.host, a.port, "--port")
@@ -229,16 +267,16 @@ def _run(a, cluster: Cluster) -> int:
     http_port = free_port(a.host) if a.http_port is None else a.http_port
     cluster.spawn("router", [sys.executable, "-m", "pagoda.router", "--host", a.host, "--port", str(router_port),
                                       "--http-port", str(http_port), "--redis-url", redis_url, "--policy", a.policy,
-                                      "--metrics-port", str(a.router_metrics_port)], env)
+                                      "--metrics-port", str(a.router_metrics_port), *a.router_flags], env)
     pending = {}
-    for i in range(a.workers):
+    for i, flags in enumerate(a.worker_flags):
         port, metrics = free_port(a.host), 0 if a.no_worker_metrics else free_port(a.host)
         cmd = [sys.executable, "-m", "pagoda.gpu_worker", "--model", model, "--host", a.host, "--port", str(port),
                "--redis-url", redis_url, "--worker-id", f"worker-{i}", "--metrics-port", str(metrics),
                "--device", a.device]
         if a.num_kv_blocks:
             cmd += ["--num-kv-blocks", str(a.num_kv_blocks)]
-        proc = cluster.spawn(f"worker-{i}", cmd, env)
+        proc = cluster.spawn(f"worker-{i}", cmd + flags, env)
         print(f"pagoda up: worker-{i} loading {model} at {a.host}:{port}"
               + (f", metrics at http://{a.host}:{metrics}/metrics" if metrics else ""), flush=True)
         pending[f"worker-{i}"] = (f"{a.host}:{port}", proc)
@@ -247,12 +285,12 @@ def _run(a, cluster: Cluster) -> int:
     while True:
         gone = cluster.exited()
         if gone:
-            raise RuntimeError(f"{gone[0]} exited with code {gone[1]}")
+            raise RuntimeError(gone)
         for name, (worker_address, proc) in list(pending.items()):
             if _serving(worker_address):
                 del pending[name]
                 print(f"pagoda up: {name} serving at {worker_address} "
-                      f"({a.workers - len(pending)}/{a.workers})", flush=True)
+                      f"({len(a.worker_flags) - len(pending)}/{len(a.worker_flags)})", flush=True)
         if not ready and _router_ready(address):
             ready = True
             print(f"pagoda up: serving {model}; redis {redis_url}", flush=True)

@@ -153,3 +153,59 @@ def test_up_killed_outright_leaves_nothing_behind(tmp_path, tiny_model):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _up(tmp_path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pagoda.clients.up", "--port", "0", "--device", "cpu",
+                             "--num-kv-blocks", "64", "--cache-dir", str(tmp_path / "cache"), *args],
+                            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_up_passes_worker_and_router_flags_and_runs_workers_of_two_kinds(tmp_path, tiny_model):
+    proc = _up(tmp_path, "--model", tiny_model, "--workers", "1", "--worker", "--served-model-name other --max-num-seqs 2",
+               "--worker-args", "--max-n 3", "--router-args", "--max-n 2")
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while (sum("serving at" in x for x in lines) < 2 or not any("router at" in x for x in lines)) \
+                and time.monotonic() < deadline:
+            line = proc.stdout.readline()      # type: ignore[union-attr]
+            if not line:
+                break
+            lines.append(line)
+        out = "".join(lines)
+        base = re.search(r"OpenAI HTTP at (http://\S+)", out).group(1)      # type: ignore[union-attr]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            models = sorted(m["id"] for m in json.load(urllib.request.urlopen(base + "/models", timeout=30))["data"])
+            if len(models) == 2:
+                break
+            time.sleep(0.2)
+        assert models == sorted(["other", os.path.basename(tiny_model)]), out    # a plain worker and one of its own kind
+        address = re.search(r"router at (\S+)", out).group(1)      # type: ignore[union-attr]
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(address))
+        with pytest.raises(grpc.RpcError) as e:                      # the router's own --max-n
+            list(stub.Generate(pb.GenerateRequest(text="hi", model="other", sampling=pb.SamplingParams(n=3)), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n" in e.value.details()
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_up_says_in_one_line_why_a_worker_died(tmp_path, tiny_model):
+    proc = _up(tmp_path, "--model", tiny_model, "--workers", "1", "--worker-args", "--no-such-flag")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    line, = [x for x in out.splitlines() if "exited with code" in x]
+    assert "worker-0 exited with code 2" in line and "unrecognized arguments: --no-such-flag" in line, out
+
+
+def test_up_refuses_bad_pass_through_quoting_in_one_line(tmp_path):
+    proc = _up(tmp_path, "--router-args", "--tool-call-parser 'hermes")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "--router-args: No closing quotation" in out, out
