@@ -194,7 +194,7 @@ def quantile(xs: list[float], q: float) -> float:
 def run_pagoda(model: str, st: dict):
     sys.path.insert(0, REPO)
     # gpu_worker before torch, as `pagoda worker` has it: it sets OpenMP's defaults.
-    gpu_worker = importlib.import_module("gpu_worker")
+    gpu_worker = importlib.import_module("pagoda.gpu_worker")
     import torch
     torch.set_num_threads(st["threads"])
     from pagoda.gpu_worker.core.config import EngineConfig

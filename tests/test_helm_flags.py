@@ -17,7 +17,8 @@ from pagoda.gpu_worker.core.spec_config import SpeculativeConfig
 from tests.plugins.helm import CASES, EVERYTHING, component, containers, find, render
 
 # `pagoda <command>` execs `python -m <module>`, whose flags live in <module>/args.py.
-MODULES = {"router": "router", "worker": "gpu_worker"}
+MODULES = {"router": "pagoda.router", "worker": "pagoda.gpu_worker"}
+ARGS = {"router": "pagoda.router.args", "worker": "pagoda.gpu_worker.serving.args"}
 POD = {"POD_IP": "10.1.2.3", "POD_NAME": "rel-pagoda-worker-a-5d9c-xk2"}
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -43,7 +44,7 @@ def resolved_args(docs: list[dict], container: dict) -> list[str]:
 
 
 def parse(cmd: str, argv: list[str]):
-    parser = importlib.import_module(f"{MODULES[cmd]}.args").build_parser()
+    parser = importlib.import_module(ARGS[cmd]).build_parser()
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:

