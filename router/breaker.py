@@ -46,6 +46,13 @@ class CircuitBreaker:
             s.cooldown = min(s.cooldown * 2 if s.cooldown else self.cooldown_s, self.max_cooldown_s)
             s.open_until = now + s.cooldown
 
+    def trip(self, worker: str, now: float | None = None) -> None:
+        """Open at once: a worker that broke the stream protocol sits out a cooldown without a
+        second chance first."""
+        s = self._states.setdefault(worker, _State())
+        s.failures = max(s.failures, self.threshold - 1)
+        self.failure(worker, now)
+
     def success(self, worker: str) -> None:
         self._states.pop(worker, None)
 

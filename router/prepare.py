@@ -71,6 +71,11 @@ class Prepared:
         sp = self.upstream.sampling
         return sp.n if sp.HasField("n") else 1
 
+    @property
+    def max_tokens(self) -> int | None:
+        sp = self.upstream.sampling
+        return sp.max_tokens if sp.HasField("max_tokens") else None
+
 
 class Preparer:
     def __init__(self, cluster: Cluster, channels: WorkerChannels, breaker: CircuitBreaker,

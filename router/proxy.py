@@ -53,7 +53,7 @@ class Proxy:
                      ) -> AsyncGenerator[bytes, None]:
         """The responses of the first ranked worker that answers, as the bytes it sent (the
         caller's request id is already in them: the worker echoes the id it was sent)."""
-        checker = StreamChecker(p.n, p.pin.info.vocab_size)
+        checker = StreamChecker(p.n, p.pin.info.vocab_size, p.max_tokens)
         last_error = "no worker tried"
         for attempt, choice in enumerate(ranked):
             try:
@@ -122,7 +122,7 @@ class Proxy:
             w.uncredit(key)
             timed_out = isinstance(e, asyncio.TimeoutError)
             why = f"no response within the first-token deadline ({wait:g}s)" if timed_out else f"invalid stream: {e}"
-            self._failed_before_first(w, "timeout_before_first" if timed_out else "bad_stream", why)
+            self._failed_before_first(w, "timeout_before_first" if timed_out else "bad_stream", why, trip=not timed_out)
             raise _TryNext(why) from None
         except asyncio.CancelledError:
             call.cancel()
@@ -135,13 +135,16 @@ class Proxy:
         self.metrics.prompt_tokens.inc(p.prompt_len)
         return call, raw, first
 
-    def _failed_before_first(self, w: WorkerState, result: str, why: str) -> None:
-        self.breaker.failure(w.id)
+    def _failed_before_first(self, w: WorkerState, result: str, why: str, trip: bool = False) -> None:
+        (self.breaker.trip if trip else self.breaker.failure)(w.id)
         self.metrics.attempts.labels(w.name, result).inc()
         log.warning("worker %s failed before the first token (%s); trying the next", w.id, why)
 
     def _failed_mid_stream(self, w: WorkerState, e: Exception) -> RouterError:
-        self.breaker.failure(w.id)
+        if isinstance(e, BadStream):
+            self.breaker.trip(w.id)
+        else:
+            self.breaker.failure(w.id)
         self.metrics.attempts.labels(w.name, "failed_mid_stream").inc()
         self.metrics.decisions.labels(self.policy, "failed_mid_stream").inc()
         detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else f"invalid stream: {e}"

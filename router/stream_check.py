@@ -8,14 +8,17 @@ A worker is not trusted to follow the protocol. What is checked, and why each ma
   vocabulary crashes a tokenizer);
 - a finished response has a known finish reason and non-negative usage (billing reads it), an
   unfinished one none;
+- no sequence gets more tokens than the request's max_tokens, counted as relayed and as the
+  final usage says (a worker that ignores it would stream, and bill, until the client's deadline);
 - the stream ends with every sequence finished (else it was cut short, not complete).
 
 The proxy relays a worker's bytes as they came (router/proxy.py), so the checks read a decoded
 copy: upb decodes a delta of a few dozen bytes in a fraction of a microsecond, and what the
 checks then read of an unfinished delta is its index, its finished flag and the range of its
-token ids (min and max in C, no Python loop per token). A violation raises BadStream: before the
-first response the router fails over to another worker, after it the client's stream ends with
-UNAVAILABLE naming the worker.
+token ids (min and max in C, no Python loop per token). A violation raises BadStream and trips the
+worker's breaker at once (a protocol breach is no transient failure): before the first response
+the router fails over to another worker, after it the client's stream ends with UNAVAILABLE
+naming the worker.
 """
 from __future__ import annotations
 
@@ -30,13 +33,15 @@ class BadStream(Exception):
 
 
 class StreamChecker:
-    def __init__(self, n: int, vocab_size: int):
-        self.n, self.vocab_size = n, vocab_size
+    def __init__(self, n: int, vocab_size: int, max_tokens: int | None = None):
+        self.n, self.vocab_size, self.max_tokens = n, vocab_size, max_tokens
         self.finished: set[int] = set()
+        self.sent = [0] * n               # tokens relayed per sequence
 
     def reset(self) -> None:
         """For the next attempt (another worker) of the same request."""
         self.finished.clear()
+        self.sent = [0] * self.n
 
     def check_raw(self, raw: bytes) -> pb.GenerateResponse:
         """Decode and check one response as the worker sent it; -> the decoded copy."""
@@ -56,6 +61,9 @@ class StreamChecker:
         ids = resp.token_ids
         if ids and self.vocab_size and (min(ids) < 0 or max(ids) >= self.vocab_size):
             raise BadStream(f"a token id outside the vocabulary [0, {self.vocab_size})")
+        self.sent[i] += len(ids)
+        if self.max_tokens is not None and self.sent[i] > self.max_tokens:
+            raise BadStream(f"sequence {i} past max_tokens={self.max_tokens} ({self.sent[i]} tokens)")
         if not resp.finished:
             if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 raise BadStream("a finish reason on an unfinished sequence")
@@ -65,6 +73,8 @@ class StreamChecker:
         u = resp.usage
         if min(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens) < 0:
             raise BadStream("negative usage")
+        if self.max_tokens is not None and u.completion_tokens > self.max_tokens:
+            raise BadStream(f"usage of {u.completion_tokens} completion tokens past max_tokens={self.max_tokens}")
         self.finished.add(i)
 
     def check_complete(self) -> None:

@@ -72,6 +72,20 @@ def test_a_stream_that_ends_unfinished_is_an_error_not_ok(redis_server, start_fa
     assert len(bad) == 1 and bad[0].code() == grpc.StatusCode.UNAVAILABLE and "unfinished" in bad[0].details()
 
 
+def test_a_worker_that_ignores_max_tokens_is_cut_off_and_sits_out(redis_server, start_fake_worker, start_router):
+    """A worker that streams past max_tokens: the client gets at most max_tokens of it, then an
+    error naming the worker, and the worker's breaker opens at once (no second request goes to it)."""
+    router, stub = two_workers(redis_server, start_fake_worker, start_router, dict(misbehave="overrun"))
+    results = [generate(stub, prompt(k, k), model="m", max_tokens=4, timeout=30) for k in range(4)]
+    cut = [(out, err) for out, err in results if err is not None]
+    assert len(cut) == 1, [e for _, e in results]         # round robin sent one request to w1, then never again
+    out, err = cut[0]
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "w1" in err.details() and "max_tokens=4" in err.details()
+    assert sum(len(r.token_ids) for r in out) <= 4
+    assert all(err is None and out[-1].worker_id == "w2" for out, err in results if (out, err) != cut[0])
+    assert metric(router, "pagoda_router_worker_attempts_total", worker="w1", result="failed_mid_stream") == 1
+
+
 def test_a_worker_advertising_another_tokenizer_is_not_routed_to(redis_server, start_fake_worker, start_router):
     start_fake_worker(redis_server.url, "w1")
     start_fake_worker(redis_server.url, "w2")

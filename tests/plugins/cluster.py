@@ -122,6 +122,8 @@ def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_
                 cached = engine.admit(ids, request.adapter, request.cache_salt)
                 engine.queued -= len(ids)
                 n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 4
+                if misbehave == "overrun":               # ignores max_tokens
+                    n *= 50
                 for i in range(n):
                     last = i == n - 1
                     resp = pb.GenerateResponse(request_id=request.request_id, token_ids=[i], text="x",
@@ -196,7 +198,7 @@ def main(argv=None) -> None:
     p.add_argument("--fail-first", type=int, default=0, help="answer the first N calls with --fail-code")
     p.add_argument("--fail-code", default="UNAVAILABLE", help="gRPC status name of those answers")
     p.add_argument("--hang", action="store_true", help="take Generate calls and never answer them")
-    p.add_argument("--misbehave", choices=["", "index", "no_finish", "abort_mid"], default="",
+    p.add_argument("--misbehave", choices=["", "index", "no_finish", "abort_mid", "overrun"], default="",
                    help="break the stream protocol: a bad sequence index, no finished response, or an "
                         "error status after the first response")
     p.add_argument("--tokenizer-digest", default="", help="advertise this digest instead of the real one")
