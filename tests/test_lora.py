@@ -248,11 +248,21 @@ def test_bad_adapters_are_refused_naming_the_field(tiny_model, adapters, tmp_pat
     conf = json.loads((bad / "adapter_config.json").read_text())
     for change, match in ((dict(target_modules=["lm_head"]), "target_modules: .* targets lm_head"),
                           (dict(bias="all"), "bias: "), (dict(r=0), "r: .* positive integer"),
-                          (dict(r=4), "r: .* has shape"), (dict(use_dora=True), "use_dora")):
+                          (dict(r=4), "r: .* has shape"), (dict(use_dora=True), "use_dora"),
+                          (dict(lora_alpha=float("nan")), "lora_alpha: .* finite, positive"),
+                          (dict(lora_alpha=1e38), "lora_alpha: .* at most 65536"),
+                          (dict(lora_alpha=-8), "lora_alpha: .* finite, positive")):
         (bad / "adapter_config.json").write_text(json.dumps(dict(conf, **change)))
         with pytest.raises(ValueError, match=match):
             load_peft_adapter("bad", str(bad), cfg, 8)
     (bad / "adapter_config.json").write_text(json.dumps(conf))
+    from safetensors.torch import load_file, save_file
+    weights = load_file(str(bad / "adapter_model.safetensors"))
+    for poison in (float("nan"), float("inf")):
+        key = sorted(weights)[3]
+        save_file({**weights, key: torch.full_like(weights[key], poison)}, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match=f"lora_path: .* tensor '{key}' holds NaN or infinite"):
+            load_peft_adapter("bad", str(bad), cfg, 8)
     (bad / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="lora_path: .* cannot read adapter_model.safetensors"):
         load_peft_adapter("bad", str(bad), cfg, 8)

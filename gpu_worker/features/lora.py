@@ -40,6 +40,9 @@ from pagoda.protos.redis_schema import MAX_ADAPTER_NAME
 TARGETS = {"q_proj": ("lora_qkv", 0), "k_proj": ("lora_qkv", 1), "v_proj": ("lora_qkv", 2),
            "o_proj": ("lora_o", 0), "gate_proj": ("lora_gate_up", 0), "up_proj": ("lora_gate_up", 1),
            "down_proj": ("lora_down", 0)}
+# Published adapters use alpha of a few times the rank (PEFT's default is 8 at rank 8); far above
+# that the delta outgrows fp16's range on ordinary weights.
+MAX_LORA_ALPHA = 65536.0
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
@@ -94,6 +97,9 @@ def load_peft_adapter(name: str, path: str, cfg, max_rank: int) -> LoRAAdapter:
     alpha = conf.get("lora_alpha", r)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise ValueError(f"lora_alpha: {where}: must be a number (got {alpha!r})")
+    # A NaN, infinite or absurd alpha would serve garbage (or inf) to every request of the adapter.
+    if not (math.isfinite(alpha) and 0 < alpha <= MAX_LORA_ALPHA):
+        raise ValueError(f"lora_alpha: {where}: must be finite, positive and at most {MAX_LORA_ALPHA:g} (got {alpha!r})")
     for key, ok in (("bias", conf.get("bias", "none") == "none"), ("fan_in_fan_out", not conf.get("fan_in_fan_out")),
                     ("use_dora", not conf.get("use_dora")), ("modules_to_save", not conf.get("modules_to_save")),
                     ("rank_pattern", not conf.get("rank_pattern")), ("alpha_pattern", not conf.get("alpha_pattern"))):
@@ -128,7 +134,10 @@ def load_peft_adapter(name: str, path: str, cfg, max_rank: int) -> LoRAAdapter:
         if tuple(t.shape) != want:
             raise ValueError(f"r: {where}: tensor {key!r} has shape {tuple(t.shape)}, expected {want} "
                              "for this base model")
-        halves.setdefault((layer, proj), {})[half] = t.float()
+        t = t.float()
+        if not torch.isfinite(t).all():
+            raise ValueError(f"lora_path: {where}: tensor {key!r} holds NaN or infinite values")
+        halves.setdefault((layer, proj), {})[half] = t
     adapter = LoRAAdapter(name, path, r, scaling)
     for (layer, proj), ab in sorted(halves.items()):
         if set(ab) != {"A", "B"}:
