@@ -44,8 +44,7 @@ from pagoda.router.channels import WorkerChannels  # noqa: E402
 from pagoda.router.cluster import Cluster  # noqa: E402
 from pagoda.router.index import BlockIndex  # noqa: E402
 from pagoda.router.prepare import Pin, Preparer  # noqa: E402
-from pagoda.router.scoring import Scorer  # noqa: E402
-from pagoda.router.selection import Selector  # noqa: E402
+from pagoda.router.selection import Scorer, Selector  # noqa: E402
 from pagoda.runtime.heap import freeze_heap  # noqa: E402
 
 MODEL, BLOCK, DIGEST = "scale-model", 16, "0" * 32

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from pagoda.protos import limits
-from pagoda.router.scoring import POLICIES
+from pagoda.router.policies.registry import POLICIES
 from pagoda.router.tools import PARSERS
 from pagoda.runtime import security
 

@@ -18,8 +18,7 @@ from pagoda.router.errors import RouterError
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.prepare import Pin, Prepared, Preparer
 from pagoda.router.proxy import Proxy
-from pagoda.router.scoring import Scorer
-from pagoda.router.selection import Selector
+from pagoda.router.selection import Scorer, Selector
 from pagoda.runtime.security import GrantSigner, Identity, KeyRing
 
 _decode = pb.GenerateResponse.FromString

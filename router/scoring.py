@@ -1,4 +1,5 @@
-"""Which worker gets a request: per-worker state as the router sees it, and the three policies.
+"""Which worker gets a request: per-worker state as the router sees it, and the cost the policies
+rank by (the policies themselves: router/policies/, one module each).
 
 The cost is time, in seconds, from the speed each worker measures and reports in its lease
 (gpu_worker/serving/step_rates.py): a step costs  s + p / Rp + d / Rd  for p prompt tokens and d
@@ -81,19 +82,15 @@ the few workers this router itself touched since the last one, however many repo
 from __future__ import annotations
 
 import heapq
-import itertools
 import operator
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
 from pagoda.protos.redis_schema import Lease
-from pagoda.router.index import BlockIndex
 
-POLICIES = ("prefix_aware", "least_loaded", "round_robin")
 BALANCE = 1.5                 # how far past the mean load a cache hit may keep a worker
 # Each running sequence slows our O decode steps by 1/Rd; counted at a quarter, since time to first
 # token is what routing is judged by (at 1 the cache hit rate fell 10% with no gain in balance).
@@ -114,11 +111,11 @@ DEFAULT_OUTPUT_TOKENS = 128
 # workers as idle and piled sessions onto them: multi_turn at 32 workers, 0.934 of the oracle's
 # hit rate and busy imbalance 1.23; at 0, 0.972 and 1.16.)
 GONE_GRACE_S = 0.0
-# Up to this many workers the cheapest few are picked in Python, past it by numpy's partition.
 # A LoRA adapter not in a device slot is copied in (and another evicted) before the first step:
 # about a prefill step's time for rank-16 adapters of an 8B model; the slot then serves later
 # requests of that adapter too, so this is kept small against a prefix saving.
 LORA_LOAD_S = 0.02
+# Up to this many workers the cheapest few are picked in Python, past it by numpy's partition.
 _SMALL = 64
 INF = float("inf")
 
@@ -154,7 +151,7 @@ class WorkerState:
     prefix_live: dict[bytes, int] = field(default_factory=dict)
     _prefix_of: dict[str, bytes] = field(default_factory=dict, repr=False)
     _memo: tuple[float, float, float, float, float] | None = field(default=None, repr=False)   # figures()
-    _table: _Figures | None = field(default=None, repr=False)   # the scorer's arrays this worker is a row of
+    _table: Figures | None = field(default=None, repr=False)   # the scorer's arrays this worker is a row of
 
     def _changed(self) -> None:
         self._memo = None
@@ -306,7 +303,7 @@ class WorkerState:
         return queue + kv + output_tokens * per_output
 
 
-class _Figures:
+class Figures:
     """One model's workers as arrays of figures(). A report writes its worker's row when it is
     applied (WorkerState.on_heartbeat); the router's own changes (credits, first tokens, ends) mark
     the row dirty and the next decision refreshes those few."""
@@ -338,6 +335,25 @@ class _Figures:
             self.write(w)
 
 
+class FigureTables:
+    """Each model's Figures, kept between decisions (a cost policy holds one)."""
+
+    def __init__(self) -> None:
+        self._by_model: dict[str, Figures] = {}
+
+    def get(self, model: str, workers: list[WorkerState], adapter: str = "") -> Figures:
+        """A LoRA adapter's workers are a subset of the model's: their figures are read afresh
+        (memoised per worker), leaving the model's table to the model's workers."""
+        if adapter:
+            return Figures(workers, register=False)
+        f = self._by_model.get(model)
+        if f is None or not f.matches(workers):
+            f = self._by_model[model] = Figures(workers)
+        elif f.dirty:
+            f.refresh()
+        return f
+
+
 @dataclass
 class Choice:
     worker: WorkerState
@@ -353,146 +369,72 @@ def prefix_key(hashes: Sequence[bytes], overlap: dict[str, int], prompt_len: int
     return hashes[k - 1] if k else None
 
 
-class Scorer:
-    def __init__(self, policy: str, index: BlockIndex, rng: random.Random | None = None,
-                 balance: float = BALANCE, spread: bool = True):
-        if policy not in POLICIES:
-            raise ValueError(f"policy: must be one of {', '.join(POLICIES)} (got {policy!r})")
-        if not balance >= 1.0:
-            raise ValueError(f"balance: must be at least 1.0 (got {balance})")
-        self.policy, self.index, self.balance = policy, index, balance
-        self.spread = spread and policy == "prefix_aware"      # False: SPREAD off (bench comparisons)
-        self.rng = rng or random.Random()
-        self.output_tokens = float(DEFAULT_OUTPUT_TOKENS)     # O: moving average of finished outputs
-        self._rr: dict[str, itertools.count] = {}
-        self._by_model: dict[str, _Figures] = {}
+def load_and_cost(f: Figures, prompt_len: int, output_tokens: float, now: float, balance: float
+                  ) -> tuple[np.ndarray, np.ndarray, float]:
+    """(load, cost, bound) per worker at `now`: the load term, load + excess + prefill(P) before
+    any cache saving, and the balance bound (`balance` times the mean load)."""
+    # In place where it can be: at 32 workers each numpy call costs more than its arithmetic.
+    load = f.drain_at - now
+    np.maximum(load, 0.0, out=load)
+    np.minimum(load, f.queued_s, out=load)
+    load += f.kv
+    load += output_tokens * f.per_output
+    mean = float(load.sum()) / len(load)        # load.mean(), without its Python-level wrapper
+    bound = balance * mean
+    excess = load - bound
+    np.maximum(excess, 0.0, out=excess)
+    excess += load
+    excess += prompt_len * f.per_token
+    return load, excess, bound
 
-    def observe_output(self, tokens: int) -> None:
-        """A finished request's output length: O is a quick moving average (a few dozen
-        requests re-learn it)."""
-        self.output_tokens += 0.1 * (max(tokens, 1) - self.output_tokens)
 
-    def rank(self, model: str, workers: list[WorkerState], prompt_len: int, hashes: Sequence[bytes],
-             limit: int | None = None, max_output: int | None = None, now: float | None = None,
-             adapter: str = "") -> list[Choice]:
-        """Candidates best first (the best `limit` of them when given) at time `now` (wall clock,
-        the one credits and reports are stamped with; default the current time). A request's own
-        decode runs at most `max_output` tokens (its max_tokens), whatever others average.
-        With a LoRA `adapter` (workers: those serving it), a worker without it in a device slot
-        pays LORA_LOAD_S."""
-        if not workers:
-            return []
-        overlap = self.index.overlap(hashes)
-        tiered = self.index.overlap_tiers(hashes) if self.index.has_host_blocks() else None
-        key = prefix_key(hashes, overlap, prompt_len, workers[0].lease.block_size)
-        return self.rank_overlap(model, workers, prompt_len, overlap, limit, max_output, now, key, adapter, tiered)
+def device_hits(f: Figures, overlap: dict[str, int], block: int, cap: int) -> dict[int, int]:
+    """Row -> the prompt tokens that worker holds in its device cache (at most `cap`), for the
+    workers that hold any."""
+    cached: dict[int, int] = {}
+    for wid, blocks in overlap.items():
+        i = f.position.get(wid)
+        if i is not None:
+            cached[i] = min(blocks * block, cap)
+    return cached
 
-    def rank_overlap(self, model: str, workers: list[WorkerState], prompt_len: int, overlap: dict[str, int],
-                     limit: int | None = None, max_output: int | None = None,
-                     now: float | None = None, prefix: bytes | None = None, adapter: str = "",
-                     tiered: dict[str, int] | None = None) -> list[Choice]:
-        """rank() given each worker's cached leading blocks (absent = none), the prompt's
-        prefix_key() (the oracle's entry), and each worker's leading blocks over both tiers
-        (None: no worker holds any in host memory)."""
-        block = workers[0].lease.block_size
-        # The engine always recomputes the last prompt token, so at most prompt_len - 1 hit.
-        cap = max(prompt_len - 1, 0)
-        if self.policy == "round_robin":
-            workers = sorted(workers, key=lambda w: w.id)
-            start = next(self._rr.setdefault(model, itertools.count())) % len(workers)
-            order = workers[start:] + workers[:start]
-            return [Choice(w, float(i), min(overlap.get(w.id, 0) * block, cap), prefix)
-                    for i, w in enumerate(order)][:limit]
-        # A LoRA adapter's workers are a subset of the model's: their figures are read afresh
-        # (memoised per worker), leaving the model's table to the model's workers.
-        f = self._figures(model, workers) if not adapter else _Figures(workers, register=False)
-        n = len(workers)
-        o = min(self.output_tokens, max_output) if max_output else self.output_tokens
-        # In place where it can be: at 32 workers each numpy call costs more than its arithmetic.
-        load = f.drain_at - (time.time() if now is None else now)
-        np.maximum(load, 0.0, out=load)
-        np.minimum(load, f.queued_s, out=load)
-        load += f.kv
-        load += o * f.per_output
-        mean = float(load.sum()) / n        # load.mean(), without its Python-level wrapper
-        excess = load - self.balance * mean
-        np.maximum(excess, 0.0, out=excess)
-        excess += load
-        excess += prompt_len * f.per_token
-        cost = excess
-        cached: dict[int, int] = {}
-        for wid, blocks in overlap.items():
-            i = f.position.get(wid)
-            if i is not None:
-                cached[i] = min(blocks * block, cap)
-                if self.policy == "prefix_aware":
-                    cost[i] -= cached[i] * f.per_token[i]
-        if self.spread and prefix is not None and cached:
-            self._spread(f, cost, cached, prefix, load, self.balance * mean)
-        if adapter:
-            for i, w in enumerate(workers):
-                if adapter not in w.lease.lora_resident:
-                    cost[i] += LORA_LOAD_S
-        if tiered:
-            self._host_hits(f, cost, cached, tiered, block, cap)
-        k = n if limit is None else min(limit, n)
-        rand = self.rng.random
-        if n <= _SMALL:
-            costs = cost.tolist()
-            kth = heapq.nsmallest(k, costs)[-1]
-            tied = [(c, rand(), i) for i, c in enumerate(costs) if c <= kth]
-        else:           # the k cheapest, and everything tied with the k-th, go to the random tie-break
-            kth = np.partition(cost, k - 1)[k - 1]
-            pick = np.flatnonzero(cost <= kth)
-            tied = [(c, rand(), i) for c, i in zip(cost[pick].tolist(), pick.tolist())]
-        return [Choice(workers[i], c, cached.get(i, 0), prefix) for c, _, i in sorted(tied)[:k]]
 
-    def _host_hits(self, f: _Figures, cost: np.ndarray, cached: dict[int, int], tiered: dict[str, int],
-                   block: int, cap: int) -> None:
-        """Credit what each worker holds of the prefix past its device hit in host memory (the
-        host tier in the module docstring); `cost` and `cached` change in place."""
-        prefix_aware = self.policy == "prefix_aware"
-        for wid, blocks in tiered.items():
-            i = f.position.get(wid)
-            if i is None:
-                continue
-            device = cached.get(i, 0)
-            extra = min(blocks * block, cap) - device
-            if extra <= 0:
-                continue
-            cached[i] = device + extra
-            if prefix_aware:
-                per_token = f.per_token[i]
-                copy = min(1.0 / (f.workers[i].lease.kv_copy_tps or DEFAULT_KV_COPY_TPS), per_token)
-                cost[i] -= extra * (per_token - copy)
+def host_hits(f: Figures, cached: dict[int, int], tiered: dict[str, int], block: int, cap: int) -> dict[int, int]:
+    """What each worker holds of the prefix past its device hit in host memory (the host tier in
+    the module docstring): `cached` grows by it in place; -> row -> those extra tokens."""
+    extras: dict[int, int] = {}
+    for wid, blocks in tiered.items():
+        i = f.position.get(wid)
+        if i is None:
+            continue
+        device = cached.get(i, 0)
+        extra = min(blocks * block, cap) - device
+        if extra <= 0:
+            continue
+        cached[i] = device + extra
+        extras[i] = extra
+    return extras
 
-    def _spread(self, f: _Figures, cost: np.ndarray, cached: dict[int, int], prefix: bytes,
-                load: np.ndarray, bound: float) -> None:
-        """Once every deepest holder of a hot prefix runs past the balance bound, its copy is
-        priced at its share: a worker holding less of it pays the prefill of what it lacks divided
-        by the requests a new copy would take (SPREAD in the module docstring); `cost` is changed
-        in place."""
-        deepest = max(cached.values())
-        holders = [i for i, c in cached.items() if c == deepest]
-        live = 0
-        for i in holders:
-            if load[i] <= bound:        # a holder with room takes it: no copy is needed
-                return
-            live += f.workers[i].prefix_live.get(prefix, 0)
-        share = live / (len(holders) + 1)
-        if share <= 1.0:
-            return
-        lacking = np.full(len(cost), float(deepest))
-        for i, c in cached.items():
-            lacking[i] -= c
-        lacking *= f.per_token
-        lacking *= 1.0 - 1.0 / share
-        cost -= lacking
 
-    def _figures(self, model: str, workers: list[WorkerState]) -> _Figures:
-        f = self._by_model.get(model)
-        if f is None or not f.matches(workers):
-            f = self._by_model[model] = _Figures(workers)
-        elif f.dirty:
-            f.refresh()
-        return f
+def add_lora_load(cost: np.ndarray, workers: list[WorkerState], adapter: str) -> None:
+    """A worker without the LoRA `adapter` in a device slot pays LORA_LOAD_S (in place)."""
+    for i, w in enumerate(workers):
+        if adapter not in w.lease.lora_resident:
+            cost[i] += LORA_LOAD_S
+
+
+def cheapest(workers: list[WorkerState], cost: np.ndarray, cached: dict[int, int], prefix: bytes | None,
+             limit: int | None, rng: random.Random) -> list[Choice]:
+    """The `limit` cheapest workers (all, when None) best first; ties break at random."""
+    n = len(workers)
+    k = n if limit is None else min(limit, n)
+    rand = rng.random
+    if n <= _SMALL:
+        costs = cost.tolist()
+        kth = heapq.nsmallest(k, costs)[-1]
+        tied = [(c, rand(), i) for i, c in enumerate(costs) if c <= kth]
+    else:           # the k cheapest, and everything tied with the k-th, go to the random tie-break
+        kth = np.partition(cost, k - 1)[k - 1]
+        pick = np.flatnonzero(cost <= kth)
+        tied = [(c, rand(), i) for c, i in zip(cost[pick].tolist(), pick.tolist())]
+    return [Choice(workers[i], c, cached.get(i, 0), prefix) for c, _, i in sorted(tied)[:k]]

@@ -1,15 +1,68 @@
-"""Stage 2: worker selection. Rank a prepared request's workers (router/scoring.py's cost,
-with no I/O), leaving out those the circuit breaker keeps out, and, once one is chosen, claim
-it: credit it with the request in flight (counted under the deepest prefix it shares, which
-prices a hot prefix's copies: SPREAD in router/scoring.py) and record the prompt's blocks there
-speculatively, so that a burst of a new shared prompt gathers there instead of scattering."""
+"""Stage 2: worker selection. Rank a prepared request's workers (the policy --policy names,
+router/policies/, over router/scoring.py's cost, with no I/O), leaving out those the circuit
+breaker keeps out, and, once one is chosen, claim it: credit it with the request in flight
+(counted under the deepest prefix it shares, which prices a hot prefix's copies: SPREAD in
+router/scoring.py) and record the prompt's blocks there speculatively, so that a burst of a new
+shared prompt gathers there instead of scattering."""
 from __future__ import annotations
 
+import random
 import time
 from typing import Sequence
 
 from pagoda.router.breaker import CircuitBreaker
-from pagoda.router.scoring import Choice, Scorer, WorkerState
+from pagoda.router.index import BlockIndex
+from pagoda.router.policies.base import Query
+from pagoda.router.policies.registry import make_policy
+from pagoda.router.scoring import BALANCE, DEFAULT_OUTPUT_TOKENS, Choice, WorkerState, prefix_key
+
+
+class Scorer:
+    """A policy over the router's block index: a request's cached blocks per worker (device and
+    host tiers) and its hot prefix, read from the index, and O, the expected output length, learnt
+    from finished requests, go to the policy, which ranks with no I/O."""
+
+    def __init__(self, policy: str, index: BlockIndex, rng: random.Random | None = None,
+                 balance: float = BALANCE, spread: bool = True):
+        """`policy`: a name in POLICIES; `spread` False: SPREAD off (bench comparisons)."""
+        self.ranker = make_policy(policy, rng or random.Random(), balance, spread)
+        self.policy, self.index = policy, index
+        self.output_tokens = float(DEFAULT_OUTPUT_TOKENS)     # O: moving average of finished outputs
+
+    @property
+    def spread(self) -> bool:
+        return self.ranker.spread
+
+    def observe_output(self, tokens: int) -> None:
+        """A finished request's output length: O is a quick moving average (a few dozen
+        requests re-learn it)."""
+        self.output_tokens += 0.1 * (max(tokens, 1) - self.output_tokens)
+
+    def rank(self, model: str, workers: list[WorkerState], prompt_len: int, hashes: Sequence[bytes],
+             limit: int | None = None, max_output: int | None = None, now: float | None = None,
+             adapter: str = "") -> list[Choice]:
+        """Candidates best first (the best `limit` of them when given) at time `now` (wall clock,
+        the one credits and reports are stamped with; default the current time). A request's own
+        decode runs at most `max_output` tokens (its max_tokens), whatever others average.
+        With a LoRA `adapter` (workers: those serving it), a worker without it in a device slot
+        pays LORA_LOAD_S."""
+        if not workers:
+            return []
+        overlap = self.index.overlap(hashes)
+        tiered = self.index.overlap_tiers(hashes) if self.index.has_host_blocks() else None
+        key = prefix_key(hashes, overlap, prompt_len, workers[0].lease.block_size)
+        return self.rank_overlap(model, workers, prompt_len, overlap, limit, max_output, now, key, adapter, tiered)
+
+    def rank_overlap(self, model: str, workers: list[WorkerState], prompt_len: int, overlap: dict[str, int],
+                     limit: int | None = None, max_output: int | None = None,
+                     now: float | None = None, prefix: bytes | None = None, adapter: str = "",
+                     tiered: dict[str, int] | None = None) -> list[Choice]:
+        """rank() given each worker's cached leading blocks (absent = none), the prompt's
+        prefix_key() (the oracle's entry), and each worker's leading blocks over both tiers
+        (None: no worker holds any in host memory)."""
+        o = min(self.output_tokens, max_output) if max_output else self.output_tokens
+        q = Query(model, prompt_len, overlap, o, time.time() if now is None else now, prefix, adapter, tiered)
+        return self.ranker.rank(q, workers, limit)
 
 
 class Selector:

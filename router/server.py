@@ -26,7 +26,7 @@ from pagoda.router.grpc_front import RouterService, add_to_server
 from pagoda.router.index import BlockIndex
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.pipeline import Pipeline
-from pagoda.router.scoring import Scorer
+from pagoda.router.selection import Scorer
 from pagoda.runtime import serving
 from pagoda.runtime.heap import freeze_heap
 from pagoda.runtime.lifetime import die_with_parent

@@ -8,7 +8,8 @@ import pytest
 from pagoda.protos import redis_schema as rs
 from pagoda.protos.block_hash import block_hashes, namespace_root
 from pagoda.router.index import BlockIndex
-from pagoda.router.scoring import DEFAULT_KV_COPY_TPS, Scorer, WorkerState
+from pagoda.router.scoring import DEFAULT_KV_COPY_TPS, WorkerState
+from pagoda.router.selection import Scorer
 
 RATES = dict(prefill_tps=1000.0, decode_tps=1000.0, step_s=0.01, max_batched_tokens=100)
 

@@ -442,7 +442,8 @@ def test_a_worker_without_the_adapter_resident_pays_the_load_cost():
     from pagoda.protos.block_hash import block_hashes, namespace_root
     from pagoda.protos.redis_schema import Lease
     from pagoda.router.index import BlockIndex
-    from pagoda.router.scoring import LORA_LOAD_S, Scorer, WorkerState
+    from pagoda.router.scoring import LORA_LOAD_S, WorkerState
+    from pagoda.router.selection import Scorer
     rates = dict(prefill_tps=1000.0, decode_tps=1000.0, step_s=0.01, max_batched_tokens=100)
 
     def worker(wid, resident, **load):

@@ -25,7 +25,7 @@ from pagoda.router.errors import RouterError
 from pagoda.router.index import BlockIndex
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.pipeline import Pipeline
-from pagoda.router.scoring import Scorer
+from pagoda.router.selection import Scorer
 from pagoda.runtime.security import TENANT_HEADER, Identity
 from pagoda.runtime.tokenization import PromptTokenizer, tokenizer_digest
 from tests.plugins.cluster import TOKENIZER_CONFIG, FakeEngine, _servicer, word_tokenizer_json
@@ -156,12 +156,15 @@ def test_the_relay_passes_the_workers_bytes_through_and_an_error_after_the_first
 
 
 def test_fronts_import_no_process_module_and_no_module_imports_private_names():
-    for path in sorted((ROOT / "router").glob("*.py")):
+    paths = sorted((ROOT / "router").rglob("*.py"))      # the sub-packages too
+    assert any(p.parent.name == "policies" for p in paths)
+    for path in paths:
+        name = path.relative_to(ROOT).as_posix()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pagoda.router"):
                 private = [a.name for a in node.names if a.name.startswith("_")]
-                assert not private, f"{path.name} imports {private} from {node.module}"
-                if path.name != "__main__.py":
-                    assert node.module != "pagoda.router.server", f"{path.name} imports the process module"
+                assert not private, f"{name} imports {private} from {node.module}"
+                if name != "router/__main__.py":
+                    assert node.module != "pagoda.router.server", f"{name} imports the process module"
     code = "import sys, pagoda.router.openai_api, pagoda.router.grpc_front; assert 'pagoda.router.server' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -6,7 +6,8 @@ import pytest
 from pagoda.protos.block_hash import block_hashes, namespace_root
 from pagoda.protos.redis_schema import Lease
 from pagoda.router.index import BlockIndex
-from pagoda.router.scoring import DECODE_SHARE, DEFAULT_OUTPUT_TOKENS, Scorer, WorkerState
+from pagoda.router.scoring import DECODE_SHARE, DEFAULT_OUTPUT_TOKENS, WorkerState
+from pagoda.router.selection import Scorer
 
 # 1 ms per prompt token, 1 ms per decoding sequence per step, 10 ms per step, 100 tokens per step:
 # with D sequences decoding, a prompt token costs 1 ms + (10 ms + D ms) / 100.

@@ -9,8 +9,8 @@ from pagoda.protos.block_hash import block_hashes, namespace_root
 from pagoda.protos.redis_schema import Lease
 from pagoda.router.breaker import CircuitBreaker
 from pagoda.router.index import BlockIndex
-from pagoda.router.scoring import DECODE_SHARE, DEFAULT_OUTPUT_TOKENS, Scorer, WorkerState, prefix_key
-from pagoda.router.selection import Selector
+from pagoda.router.scoring import DECODE_SHARE, DEFAULT_OUTPUT_TOKENS, WorkerState, prefix_key
+from pagoda.router.selection import Scorer, Selector
 
 # As tests/test_scoring.py: with D sequences decoding, a prompt token costs 1 ms + (10 ms + D ms) / 100.
 RATES = dict(prefill_tps=1000.0, decode_tps=1000.0, step_s=0.01, max_batched_tokens=100)

@@ -28,8 +28,8 @@ from pagoda.router.channels import WorkerChannels
 from pagoda.router.cluster import Cluster
 from pagoda.router.index import BlockIndex
 from pagoda.router.prepare import Preparer
-from pagoda.router.scoring import KV_KNEE, KV_PENALTY_TOKENS, Choice, Scorer, WorkerState, prefix_key
-from pagoda.router.selection import Selector
+from pagoda.router.scoring import KV_KNEE, KV_PENALTY_TOKENS, Choice, WorkerState, prefix_key
+from pagoda.router.selection import Scorer, Selector
 
 from .bus import MODEL
 
