@@ -2,7 +2,7 @@
 
 Every stage raises it (request preparation for bad input and unknown models, the proxy for
 workers that failed); the fronts turn it into a gRPC status (router/grpc_front.py) or an
-OpenAI error object (router/openai_api.py). Its message starts with the field it names, as
+OpenAI error object (router/openai/request.py). Its message starts with the field it names, as
 everywhere in pagoda (`max_tokens: ...`), so a front can point at the parameter.
 """
 from __future__ import annotations

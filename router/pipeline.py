@@ -1,6 +1,6 @@
 """A request's way through the router, stage by stage: prepare (router/prepare.py), select
 (router/selection.py), proxy (router/proxy.py). Both fronts, gRPC (router/grpc_front.py) and
-OpenAI HTTP (router/openai_api.py), call this one path, so neither can drift from the other."""
+OpenAI HTTP (router/openai/), call this one path, so neither can drift from the other."""
 from __future__ import annotations
 
 import time

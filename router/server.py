@@ -4,7 +4,7 @@ Prometheus), signals and an orderly shutdown.
 The request path lives in its stages: preparation (router/prepare.py: limits, tenancy, tokenizer
 pinning, tokenization, block hashes), worker selection (router/selection.py over
 router/scoring.py), the proxy with failover and the credit ledger (router/proxy.py), composed in
-router/pipeline.py; the fronts are router/grpc_front.py and router/openai_api.py.
+router/pipeline.py; the fronts are router/grpc_front.py and router/openai/ (OpenAI HTTP).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from pagoda.runtime.security import AuthInterceptor, GrantSigner, KeyRing, chann
 from pagoda.runtime.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
 
 if TYPE_CHECKING:                   # imported only when serving HTTP (aiohttp)
-    from pagoda.router.openai_api import OpenAIFront
+    from pagoda.router.openai.front import OpenAIFront
 
 log = logging.getLogger(__name__)
 SYNC_SERVICE = "pagoda.router.RedisSync"
@@ -87,7 +87,7 @@ class Router:
         for service in ("", name):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.http_port:
-            from pagoda.router.openai_api import OpenAIFront
+            from pagoda.router.openai.front import OpenAIFront
             self.http = OpenAIFront(self.pipeline, self.args.tool_call_parser)
             await self.http.start(self.host, self.http_port)
         self._sync_health = asyncio.create_task(self._report_sync())

@@ -75,7 +75,7 @@ def test_up_import_is_light():
 
 
 def test_router_import_is_light():
-    code = ("import sys, pagoda.router.server, pagoda.router.args, pagoda.router.openai_api; "
+    code = ("import sys, pagoda.router.server, pagoda.router.args, pagoda.router.openai.front; "
             "assert 'torch' not in sys.modules and not any(m.startswith('pagoda.gpu_worker') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 

@@ -1,0 +1,195 @@
+"""/v1/completions and /v1/chat/completions: a request body becomes GenerateRequests, is
+tokenized and length-checked here, then goes through Pipeline.generate: the same routing
+decision, retries and upstream gRPC stream as the gRPC front. A client that goes away cancels
+the handler, which cancels the upstream call, which aborts the request on the worker.
+
+/v1/completions as vLLM serves it: a list of prompts (strings or token-id lists) is that many
+independent requests, routed each on its own, whose choices are numbered prompt by prompt
+(prompt p's sequence j is choice p * n + j); `echo` puts the prompt before the completion, and
+with `logprobs` the prompt's tokens are scored by the engine (SamplingParams.prompt_logprobs),
+the first token's score null, as lm-eval's loglikelihood tasks read them.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.router.errors import RouterError
+from pagoda.router.openai.request import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    ApiError,
+    bad,
+    build_requests,
+    chat_ids,
+    json_body,
+    number,
+    stream_options,
+    tool_plan,
+)
+from pagoda.router.openai.response import Choices, Prompt, response_object, stream_chunks
+from pagoda.router.openai.serving import Serving
+from pagoda.router.openai.sse import send_events
+
+
+class Generation(Serving):
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
+
+    async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            ident = self.identity(request)
+            body = await json_body(request)
+            reqs = build_requests(body, kind)
+            plan = tool_plan(body, self.tool_call_parser) if kind == "chat" else None
+            if plan is not None and body.get("parallel_tool_calls") is False:
+                plan.single = True
+            if kind == "chat" and not reqs[0].messages:      # tools: rendered here
+                model, pin = await self.pin(reqs[0].model)
+                reqs[0].token_ids[:] = await chat_ids(body, pin, plan.tools if plan else None)
+            if plan is not None and plan.schema() is not None:
+                if reqs[0].sampling.HasField("structured_output"):
+                    raise bad("tool_choice", f"{plan.choice} tool choice and response_format/guided_* "
+                                             "both constrain the output: give one")
+                reqs[0].sampling.structured_output.json_schema = json.dumps(plan.schema())
+            if plan is not None and not plan.parses:
+                plan = None
+            stream = "stream" in body and number(body, "stream", bool)
+            usage_in_stream, continuous = stream_options(body, stream)
+            echo = kind == "completion" and body.get("echo") is True
+            texts = [r.text if r.HasField("text") else None for r in reqs]
+            max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+            asked = reqs[0].model      # an adapter's name stays the response's model
+            prompts = [Prompt(ids) for ids in await asyncio.gather(*(self._prepare(r, kind, max_name) for r in reqs))]
+            if echo:
+                await self._echoes(reqs[0].model, prompts, texts)
+        except ApiError as e:
+            return e.response()
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        for p, req in enumerate(reqs):       # each prompt is a request of its own, routed on its own
+            req.request_id = rid if len(reqs) == 1 else f"{rid}-{p}"
+        head = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": asked or reqs[0].model}
+        sp = reqs[0].sampling
+        choices = Choices(kind, sp.n if sp.HasField("n") else 1, prompts, echo and sp.HasField("logprobs"))
+        async with contextlib.AsyncExitStack() as stack:
+            upstreams = [await stack.enter_async_context(contextlib.aclosing(self.service.generate(r, None, ident)))
+                         for r in reqs]
+            try:
+                firsts = await _first_of_each(upstreams)    # errors before the first token get their HTTP status
+            except RouterError as r:
+                return ApiError.from_reject(r).response()
+            except StopAsyncIteration:
+                return ApiError(503, "no worker answered").response()
+            merged = await stack.enter_async_context(contextlib.aclosing(_merge(upstreams, firsts)))
+            if stream:
+                return await send_events(request, stream_chunks(head, choices, merged, usage_in_stream, continuous, plan))
+            try:
+                async for p, resp in merged:
+                    choices.add(p, resp)
+            except RouterError as r:
+                return ApiError.from_reject(r).response()
+        scored = kind == "completion" and "prompt_logprobs" in body
+        return web.json_response(response_object(head, choices, scored, plan))
+
+    async def _echoes(self, model: str, prompts: list[Prompt], texts: list[str | None]) -> None:
+        """What echo puts before each prompt's completions: the prompt as sent, or token ids decoded."""
+        try:
+            _, pin = await self.service.pin(model)
+        except RouterError as r:
+            raise ApiError.from_reject(r) from None
+        tok = pin.tokenizer
+        if tok is None:
+            raise bad("echo", f"model {model!r} has no tokenizer to show the prompt with")
+        for prompt, text in zip(prompts, texts):
+            prompt.echo = text if text is not None else tok.decode(prompt.ids)
+            prompt.first_token = tok.decode(prompt.ids[:1])
+
+    async def _prepare(self, req: pb.GenerateRequest, kind: str, max_name: str) -> list[int]:
+        """Resolve the model, tokenize, check the length, and fill defaults, in place; -> the
+        prompt's token ids."""
+        models = self.service.cluster.models()
+        if req.model and req.model not in models and req.model not in self.service.cluster.adapters():
+            if not models:
+                raise ApiError(503, "model: no live worker serves any model", "model")
+            raise ApiError(404, f"model: the model {req.model!r} does not exist (served: {', '.join(models)})",
+                           "model", "model_not_found")
+        try:
+            model, req.adapter = self.service.prepare.resolve_adapter(req.model, req.adapter)
+            req.model = model
+            model, ids, max_len = await self.service.tokenize(req)
+        except RouterError as r:
+            raise ApiError.from_reject(r) from None
+        prompt = "messages" if kind == "chat" else "prompt"
+        if len(ids) >= max_len:
+            raise bad(prompt, f"the prompt has {len(ids)} tokens; this model's maximum context length "
+                              f"is {max_len} tokens, so it leaves no room for a completion")
+        sp = req.sampling
+        if not sp.HasField("max_tokens"):
+            sp.max_tokens = max_len - len(ids) if kind == "chat" else COMPLETION_DEFAULT_MAX_TOKENS
+        if len(ids) + sp.max_tokens > max_len:
+            raise bad(max_name, f"this model's maximum context length is {max_len} tokens; the request asks "
+                            f"for {len(ids) + sp.max_tokens} ({len(ids)} in the {prompt}, {sp.max_tokens} "
+                            "in the completion); reduce the length of either")
+        req.model = model
+        req.ClearField("text")
+        req.ClearField("messages")
+        req.token_ids[:] = ids               # tokenized once: the router path skips it
+        return list(ids)
+
+
+async def _first_of_each(upstreams: list) -> list[pb.GenerateResponse]:
+    """Every upstream's first response, awaited together (each prompt's request starts now)."""
+    if len(upstreams) == 1:
+        return [await anext(upstreams[0])]
+    tasks = [asyncio.ensure_future(anext(u)) for u in upstreams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:          # one failed: the others stop before their streams are closed
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merge(upstreams: list, firsts: list[pb.GenerateResponse]):
+    """(prompt number, response) from every upstream as each comes; a RouterError of any ends it."""
+    if len(upstreams) == 1:
+        yield 0, firsts[0]
+        async for resp in upstreams[0]:
+            yield 0, resp
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int, upstream) -> None:
+        try:
+            async for resp in upstream:
+                queue.put_nowait((p, resp))
+        except RouterError as e:
+            queue.put_nowait((p, e))
+        queue.put_nowait((p, None))
+
+    for p, first in enumerate(firsts):
+        queue.put_nowait((p, first))
+    tasks = [asyncio.ensure_future(pump(p, u)) for p, u in enumerate(upstreams)]
+    try:
+        left = len(tasks)
+        while left:
+            p, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, RouterError):
+                raise item
+            else:
+                yield p, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
