@@ -51,7 +51,7 @@ def test_own_policy_kept():
 
 def test_torch_first_left_alone():
     # Too late to change OpenMP once torch is loaded: the environment is not touched.
-    assert probe("import torch\nimport gpu_worker")[:2] == ("None", "None")
+    assert probe("import torch\nimport pagoda.gpu_worker")[:2] == ("None", "None")
 
 
 def test_dense_linear_matches_f_linear():

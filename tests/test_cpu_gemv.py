@@ -149,7 +149,7 @@ print(spun, time.process_time() - t)
 
 
 def test_bad_spin_setting_named():
-    out = subprocess.run([sys.executable, "-c", "from kernels import cpu_lib; cpu_lib.load_library()"],
+    out = subprocess.run([sys.executable, "-c", "from pagoda.kernels import cpu_lib; cpu_lib.load_library()"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120,
                          env={**os.environ, "PAGODA_CPU_SPIN_US": "lots"})
     assert out.returncode != 0
