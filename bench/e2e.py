@@ -2,7 +2,7 @@
 
     python bench/e2e.py [--quick] [--model DIR] [--policies prefix_aware,round_robin]
 
-For each policy a fresh cluster starts (`python -m gpu_worker` x2, `python -m router`, one
+For each policy a fresh cluster starts (`python -m pagoda.gpu_worker` x2, `python -m pagoda.router`, one
 redis-server), each worker is warmed directly, then a client (clients.AsyncPagodaClient) sends
 chat requests through the router: P system prompts, R requests each, in shuffled rounds, with
 C requests in flight. Each worker's KV pool holds about half of the system prompts, so only a

@@ -1,6 +1,6 @@
 """`pagoda up`: a whole cluster on one machine, as child processes: an embedded redis-server
-(when no --redis-url is given), N workers (`python -m gpu_worker`) and one router
-(`python -m router`). Ports are checked before anything starts; it prints each worker's address
+(when no --redis-url is given), N workers (`python -m pagoda.gpu_worker`) and one router
+(`python -m pagoda.router`). Ports are checked before anything starts; it prints each worker's address
 and when it serves, and the router's address as soon as the router can serve a request (the
 other workers join it as they come up). Ctrl-C and SIGTERM both stop everything. Logs go to a
 folder under the cache directory that outlives the run.

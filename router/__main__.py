@@ -1,4 +1,4 @@
-"""`python -m router`: run one router process (flags in router/args.py)."""
+"""`python -m pagoda.router`: run one router process (flags in router/args.py)."""
 from pagoda.router.server import main
 from pagoda.runtime.serving import exit_now
 

@@ -1,4 +1,4 @@
-"""Command-line flags of `python -m router` / `pagoda router` (light: imports nothing heavy)."""
+"""Command-line flags of `python -m pagoda.router` / `pagoda router` (light: imports nothing heavy)."""
 from __future__ import annotations
 
 import argparse

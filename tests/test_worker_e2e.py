@@ -1,4 +1,4 @@
-"""End to end: a real `python -m gpu_worker` process on loopback with a tiny model, driven through
+"""End to end: a real `python -m pagoda.gpu_worker` process on loopback with a tiny model, driven through
 the client library: streamed tokens equal the offline API's, concurrency, cancellation freeing
 blocks, validation, backpressure, health, reflection, metrics and SIGTERM drain."""
 import asyncio
