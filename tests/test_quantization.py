@@ -185,9 +185,20 @@ def test_int4_packings_round_trip():
     assert torch.equal(unpack_int4_rows(pack_int4_rows(q)), q)
     assert torch.equal(pack_int4_rows(q), pack_rows(q))          # the writer's GPTQ packing
     assert torch.equal(unpack_int4_cols(pack_cols(q, AWQ_ORDER), AWQ_ORDER), q)
-    # AWQ's interleave: the second nibble of a word holds column 2, the fifth column 1.
-    word = int(pack_cols(torch.arange(8, dtype=torch.int32).reshape(1, 8), AWQ_ORDER)[0, 0])
-    assert [(word >> (4 * i)) & 0xF for i in range(8)] == list(AWQ_ORDER)
+    # AWQ's interleave as AutoAWQ writes it out (awq/modules/linear/gemm.py, WQLinear_GEMM.from_linear:
+    # order_map = [0, 2, 4, 6, 1, 3, 5, 7]; nibble i of a word takes column order_map[i]), and as its
+    # readers undo it (awq/utils/packing_utils.py and compressed-tensors' AutoAWQ converter:
+    # AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]; column c sits in nibble reverse[c]).
+    order_map, reverse = [0, 2, 4, 6, 1, 3, 5, 7], [0, 4, 1, 5, 2, 6, 3, 7]
+    assert [order_map[reverse[c]] for c in range(8)] == list(range(8))
+    cols = [9, 1, 14, 3, 0, 7, 12, 5]                    # a row of eight columns, all values distinct
+    word = 0
+    for i in range(8):
+        word |= cols[order_map[i]] << (4 * i)
+    assert [(word >> (4 * reverse[c])) & 0xF for c in range(8)] == cols
+    packed = torch.tensor([[word - 2**32 if word >= 2**31 else word]], dtype=torch.int32)
+    assert unpack_int4_cols(packed, AWQ_ORDER)[0].tolist() == cols                 # what the loader reads
+    assert int(pack_cols(torch.tensor([cols], dtype=torch.int32), AWQ_ORDER)[0, 0]) == int(packed[0, 0])  # the writer
 
 
 def test_fp8_block_scales_cover_partial_blocks():
