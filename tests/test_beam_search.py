@@ -77,15 +77,56 @@ def test_equals_brute_force_reference(tiny_llm_factory, hf_model, setup):
         assert llm.engine.scheduler.num_swaps > 0
 
 
-def test_temperature_adds_the_sampled_token_as_a_candidate(tiny_llm_factory):
-    """temperature > 0 (vLLM's BeamSearchParams): the beams still rank by raw log-probability;
-    the sampled token joins the top tokens as a candidate, so the search runs to the end with
-    ranked, full-length beams."""
+def test_temperature_adds_the_sampled_token_as_a_candidate(tiny_llm_factory, hf_model, monkeypatch):
+    """temperature > 0 (vLLM's BeamSearchParams): each beam's step also samples a token at that
+    temperature, and a sampled token outside the top 2 * beam_width joins them as a candidate,
+    scored by its raw log-probability; the beams still rank by raw log-probability, so the search
+    runs to the end with ranked, full-length beams. At temperature 0 the sampled token is the top
+    one and nothing joins."""
+    import torch
+
+    from pagoda.gpu_worker.features import beam_search
     llm = tiny_llm_factory(block_size=8)
-    out = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=10, temperature=1.5, ignore_eos=True))
-    for o in out:
+    real = beam_search.candidates
+
+    def search(temperature):
+        seen = []
+
+        def watch(offered):
+            cands = real(offered)
+            seen.append((offered, cands))
+            return cands
+        monkeypatch.setattr(beam_search, "candidates", watch)
+        out = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=10, temperature=temperature,
+                                                        ignore_eos=True))
+        monkeypatch.setattr(beam_search, "candidates", real)
+        joined = 0
+        for offered, cands in seen:
+            for i, (cum, sampled, lps) in enumerate(offered):
+                top = [lp.token_id for lp in lps.top]
+                assert len(top) == 6
+                if sampled not in top:
+                    joined += 1
+                    assert Candidate(i, sampled, cum + lps.sampled.logprob) in cands
+                    assert lps.sampled.logprob <= min(lp.logprob for lp in lps.top)
+                elif temperature == 0:
+                    assert sampled == top[0]
+        return out, joined
+
+    out, joined = search(1.5)
+    # At 1.5 about one step in five samples outside the top 6 on the tiny model (84 beam steps
+    # here): none at all would mean the temperature never reached the sampler.
+    assert joined > 0
+    for prompt, o in zip(PROMPTS, out):
         assert len(o.sequences) == 3 and all(len(s.output_token_ids) == 10 for s in o.sequences)
         assert [s.score for s in o.sequences] == sorted((s.score for s in o.sequences), reverse=True)
+        # Raw log-probabilities (transformers' full forward), not the temperature's.
+        for s in o.sequences:
+            with torch.no_grad():
+                lp = torch.log_softmax(hf_model(torch.tensor([s.tokens])).logits[0].float(), dim=-1)
+            raw = sum(lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(s.output_token_ids))
+            assert s.cum_logprob == pytest.approx(raw, abs=1e-3)
+    assert search(0.0)[1] == 0
 
 
 def test_width_one_is_greedy(tiny_llm_factory):
