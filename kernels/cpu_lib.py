@@ -39,6 +39,7 @@ DEFAULT_SPIN_US = 1000
 QTILE = 8        # query tokens per attention work item (paged_attention_cpu.c)
 GEMV_MAX_M = 8   # most rows gemv_f32 takes (gemv_cpu.c)
 GEMM_ATTENTION_ROWS = 48  # most query rows per work item of gemm_attention_cpu.c
+GEMM_ATTENTION_KEY_CHUNK = 128  # keys per online-softmax step of gemm_attention_cpu.c (its tests' sizes)
 
 i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
@@ -158,7 +159,8 @@ def load_library() -> ctypes.CDLL | None:
         fn.argtypes = argtypes
         fn.restype = RESTYPES.get(name, ctypes.c_int)
     for name, want in (("qtile", QTILE), ("gemv_max_m", GEMV_MAX_M),
-                       ("gemm_attention_rows", GEMM_ATTENTION_ROWS)):
+                       ("gemm_attention_rows", GEMM_ATTENTION_ROWS),
+                       ("gemm_attention_key_chunk", GEMM_ATTENTION_KEY_CHUNK)):
         if getattr(lib, name)() != want:
             raise RuntimeError(f"{CSRC}: {name}() is {getattr(lib, name)()}, {__name__} expects {want}")
     lib.pool_set_spin_us(spin)

@@ -245,10 +245,16 @@ def test_too_little_to_share_is_not_grouped():
 
 @pytest.mark.parametrize("hq,hkv,d,bs", [(8, 4, 64, 16), (6, 2, 128, 8), (8, 1, 16, 32)])
 def test_long_prefill_chunks_as_matrix_products(hq, hkv, d, bs):
-    # Chunks past one key chunk (256 keys) with the causal edge inside them, a fresh prompt,
-    # a chunk after cached context, one just below PREFILL_MIN_TOKENS, and decodes beside.
+    # Chunks past one key chunk (gemm_attention_cpu.c's KEY_CHUNK keys per online-softmax step)
+    # with the causal edge inside them, a fresh prompt, a chunk after cached context, one just
+    # below PREFILL_MIN_TOKENS, and decodes beside.
     q_lens = [300, 40, cpu_attention.PREFILL_MIN_TOKENS - 1, 1, 600]
     seq_lens = [600, 300, 70, 50, 600]
+    chunk = cpu_lib.load_library().gemm_attention_key_chunk()
+    assert chunk == cpu_lib.GEMM_ATTENTION_KEY_CHUNK
+    # What the sizes are for: the chunk after cached context runs over more than two key chunks
+    # and its causal edge falls inside one; the fresh prompt runs over more than four.
+    assert seq_lens[0] > 2 * chunk and (seq_lens[0] - q_lens[0]) % chunk and seq_lens[4] > 4 * chunk
     b = random_paged_batch(q_lens, seq_lens, hq, hkv, d, bs, generator=torch.Generator().manual_seed(11))
     poison_spare_blocks(b)
     memo: dict = {}

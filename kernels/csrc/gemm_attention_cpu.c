@@ -236,3 +236,4 @@ int gemm_attention_cpu(const float *q, int64_t q_st, int64_t q_sh, float *out, i
 }
 
 int gemm_attention_rows(void) { return JOB_ROWS; }
+int gemm_attention_key_chunk(void) { return KEY_CHUNK; }
