@@ -126,6 +126,28 @@ def test_a_call_cut_off_by_max_tokens_keeps_finish_reason_length(client, stack):
     assert all(c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1 for c in r.choices)
 
 
+def test_auto_with_parallel_tool_calls_false_returns_the_first_call(client, stack):
+    """tool_choice auto with parallel_tool_calls false: the model writes two Hermes calls (steered
+    by guided_choice) and the router returns the first alone, whole and streamed; without the
+    flag, or with it true, both."""
+    second = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    for parallel, want in ((None, ["get_weather", "get_time"]), (True, ["get_weather", "get_time"]),
+                           (False, ["get_weather"])):
+        kw = {} if parallel is None else {"parallel_tool_calls": parallel}
+        r = client.chat.completions.create(model=stack["model"], messages=ASK, tools=TOOLS, tool_choice="auto",
+                                           max_tokens=200, extra_body={"guided_choice": [CALL + "\n" + second]}, **kw)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls] == want, (parallel, c)
+        assert json.loads(c.message.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
+        chunks = list(client.chat.completions.create(model=stack["model"], messages=ASK, tools=TOOLS, tool_choice="auto",
+                                                     max_tokens=200, stream=True,
+                                                     extra_body={"guided_choice": [CALL + "\n" + second]}, **kw))
+        calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+        assert [tc.function.name for tc in calls if tc.function.name] == want, (parallel, calls)
+        assert sorted({tc.index for tc in calls}) == list(range(len(want)))
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
 def test_a_conversation_with_a_tool_call_and_its_result(client, stack):
     first = client.chat.completions.create(model=stack["model"], messages=ASK, tools=TOOLS, max_tokens=64,
                                            extra_body={"guided_choice": [CALL]})

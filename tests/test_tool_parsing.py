@@ -91,6 +91,8 @@ def test_llama3_json_whole_and_streamed():
 
 
 def test_parallel_tool_calls_false_keeps_the_first():
+    """What a plan with `single` set does (the router's OpenAI front sets it from the request's
+    parallel_tool_calls: false; tests/test_openai_tools.py checks that end to end)."""
     p = plan()
     p.single = True
     required = plan(tool_choice="required")
