@@ -7,6 +7,7 @@ from typing import Any
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_BEAM_WIDTH = 16       # beams of one search (gpu_worker/features/beam_search.py)
 
 
 @dataclass
@@ -130,7 +131,6 @@ class SamplingParams:
     def _validate_beam_search(self) -> None:
         """Beam search ranks by log-probability: the sampling transforms would change what the
         beams are scored by, and stops end beams the search still ranks; refused by name."""
-        from pagoda.gpu_worker.features.beam_search import MAX_BEAM_WIDTH
         width_field = "best_of" if self.best_of is not None else "n"
         if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
             raise ValueError(f"{width_field}: the beam width must be in [1, {MAX_BEAM_WIDTH}] with "

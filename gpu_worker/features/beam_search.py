@@ -37,8 +37,6 @@ from typing import Sequence
 
 from pagoda.gpu_worker.core.outputs import TokenLogprobs
 
-MAX_BEAM_WIDTH = 16
-
 
 @dataclass
 class BeamSearchParams:
