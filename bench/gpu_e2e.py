@@ -64,8 +64,8 @@ def random_model(path: str, hf_config, device: torch.device, dtype: torch.dtype,
     bench/quant.py measures quantized layers)."""
     if quant is not None:
         raise ValueError("quantization: bench/gpu_e2e.py builds unquantized random models")
-    from pagoda.gpu_worker.models import model_class
     from pagoda.gpu_worker.models.parallel import Shard, sharding
+    from pagoda.gpu_worker.models.registry import model_class
     with torch.device("meta"), sharding(shard or Shard()):
         model = model_class(hf_config)(hf_config)
     model = model.to(dtype).to_empty(device=device)

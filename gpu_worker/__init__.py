@@ -18,20 +18,19 @@ import sys
 if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
     os.environ["GOMP_SPINCOUNT"] = "1000"
 
+from pagoda.gpu_worker.core.config import EngineConfig  # noqa: E402
 from pagoda.gpu_worker.core.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "AsyncLLM", "EngineConfig"]
 
 
 def __getattr__(name):
-    # Lazy, so `python -m pagoda.gpu_worker.testing.tiny_model` and the sampling params stay light.
+    # Every `python -m pagoda.gpu_worker...` (the worker's flag parsing, tiny_model) runs this
+    # file first; the engines load torch and the model stack, so they come only when named.
     if name == "LLM":
-        from pagoda.gpu_worker.engine.llm import LLM
+        from pagoda.gpu_worker.engine.llm import LLM  # lazy: torch and the engine, only when asked for
         return LLM
     if name == "AsyncLLM":
-        from pagoda.gpu_worker.serving.async_llm import AsyncLLM
+        from pagoda.gpu_worker.serving.async_llm import AsyncLLM  # lazy: torch and the engine, only when asked for
         return AsyncLLM
-    if name == "EngineConfig":
-        from pagoda.gpu_worker.core.config import EngineConfig
-        return EngineConfig
     raise AttributeError(name)

@@ -6,6 +6,7 @@ import sys
 
 from pagoda.gpu_worker.serving.args import build_parser
 from pagoda.runtime.lifetime import die_with_parent
+from pagoda.runtime.serving import StartupError, exit_now
 
 
 def main(argv=None) -> int:
@@ -16,8 +17,8 @@ def main(argv=None) -> int:
         parser.error(f"--model: {args.model!r} is not a checkpoint directory (no config.json)")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # lazy: torch and the engine load only once the flags are good (--help and flag errors stay quick)
     from pagoda.gpu_worker.serving.server import serve
-    from pagoda.runtime.serving import StartupError
     try:
         return asyncio.run(serve(args))
     except StartupError as e:   # a taken port, a missing certificate: one line saying what to change
@@ -29,5 +30,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from pagoda.runtime.serving import exit_now
     exit_now(main())

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from pagoda.gpu_worker.core.drafter import ngram_propose
 from pagoda.gpu_worker.core.sampling_params import SamplingParams
 from pagoda.gpu_worker.core.spec_config import SpeculativeConfig, parse_speculative_config
-from pagoda.gpu_worker.features.spec_decode import ngram_propose, rejection_sample
+from pagoda.gpu_worker.features.spec_decode import rejection_sample
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 

@@ -141,7 +141,7 @@ def test_vocab_not_divisible_more_ranks_than_gpus_and_bad_sizes_are_refused():
     import torch
 
     from pagoda.gpu_worker.core.config import EngineConfig
-    from pagoda.gpu_worker.models.parallel import check_tensor_parallel
+    from pagoda.gpu_worker.models.registry import check_tensor_parallel
     cfg = SimpleNamespace(num_attention_heads=64, num_key_value_heads=64, intermediate_size=4096, vocab_size=65536,
                           architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 does not divide the model's 65535 vocab_size"):

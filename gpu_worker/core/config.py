@@ -182,5 +182,5 @@ class EngineConfig:
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
-        import torch
+        import torch  # lazy: flag parsing (serving/args.py) imports this module and stays torch-free
         return "cuda" if torch.cuda.is_available() else "cpu"

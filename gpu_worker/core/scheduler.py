@@ -27,10 +27,10 @@ import heapq
 from collections import deque
 from typing import Iterable
 
+from pagoda.gpu_worker.core.drafter import Drafter, SpecStats
 from pagoda.gpu_worker.core.kv_cache_manager import CachedBlock, KVCacheManager
 from pagoda.gpu_worker.core.outputs import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
 from pagoda.gpu_worker.core.request import Request, RequestStatus
-from pagoda.gpu_worker.features.spec_decode import Drafter, SpecStats
 
 
 class WaitingQueue:

@@ -9,10 +9,13 @@ import itertools
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Iterable, Optional
+
+import torch
 
 from pagoda.gpu_worker.core.config import EngineConfig
 from pagoda.gpu_worker.core.detokenizer import Detokenizer
+from pagoda.gpu_worker.core.drafter import Drafter
 from pagoda.gpu_worker.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.gpu_worker.core.outputs import EngineStats, ModelRunnerOutput, SchedulerOutput, StreamDelta
 from pagoda.gpu_worker.core.request import Request, RequestStatus
@@ -20,13 +23,10 @@ from pagoda.gpu_worker.core.sampling_params import SamplingParams
 from pagoda.gpu_worker.core.scheduler import Scheduler
 from pagoda.gpu_worker.features import beam_search
 from pagoda.gpu_worker.features.beam_search import BeamGroup
-from pagoda.gpu_worker.features.spec_decode import Drafter
 from pagoda.gpu_worker.runner.input_batch import LENGTH, STOP_TOKEN
+from pagoda.gpu_worker.runner.model_runner import InFlight, ModelRunner
 from pagoda.protos.block_hash import namespace_root
 from pagoda.runtime.heap import freeze_heap
-
-if TYPE_CHECKING:
-    from pagoda.gpu_worker.runner.model_runner import InFlight
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,6 @@ def uses_async_scheduling(config: EngineConfig, device_type: str) -> bool:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from pagoda.gpu_worker.runner.model_runner import ModelRunner
         self.config = config
         self.runner = ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
@@ -301,7 +300,6 @@ class LLMEngine:
         return out
 
     def _generator(self, seed: int):
-        import torch
         return torch.Generator(device=self.runner.device).manual_seed(seed)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from pagoda.kernels.reference import LoRASegments, lora_expand_ref, lora_segments, lora_shrink_ref
 from pagoda.protos.redis_schema import MAX_ADAPTER_NAME
@@ -114,7 +115,6 @@ def load_peft_adapter(name: str, path: str, cfg, max_rank: int) -> LoRAAdapter:
                          f"of {', '.join(TARGETS)}")
     scaling = float(alpha) / (math.sqrt(r) if conf.get("use_rslora") else r)
 
-    from safetensors.torch import load_file
     try:
         tensors = load_file(weights_file, device="cpu")
     except Exception as e:   # a truncated or foreign file: name it, do not crash the worker
@@ -194,7 +194,7 @@ class LoRAManager:
         self.shrink: Callable = lora_shrink_ref
         self.expand: Callable = lora_expand_ref
         if backend == "triton":
-            from pagoda.kernels.triton_lora import lora_expand_triton, lora_shrink_triton
+            from pagoda.kernels.triton_lora import lora_expand_triton, lora_shrink_triton  # lazy: triton, only with its backend
             self.shrink, self.expand = lora_shrink_triton, lora_expand_triton
         shapes = model_shapes(cfg)
         self.layers: list[dict[str, LoRAProjection]] = []

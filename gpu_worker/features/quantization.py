@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from pagoda.gpu_worker.core.config import QUANTIZATION_METHODS as METHODS
-from pagoda.gpu_worker.models.parallel import dense_linear
+from pagoda.gpu_worker.models.parallel import all_reduce, dense_linear
 from pagoda.kernels.fp8 import FP8_DTYPE
 from pagoda.kernels.quant_ref import (
     dequantize_fp8_weight,
@@ -296,7 +296,6 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
         if self.reduce:
-            from pagoda.gpu_worker.runner.distributed import all_reduce
             y = all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
@@ -372,7 +371,7 @@ class Fp8Linear(QuantLinear):
         if x.is_cuda:
             if self.cfg.block is None and _scaled_mm_ok(x, self.out_features, self.in_features):
                 return fp8_scaled_mm(x, self.weight, self.weight_scale, self.input_scale)
-            from pagoda.kernels.triton_quant import fp8_matmul_triton  # triton loads only when used
+            from pagoda.kernels.triton_quant import fp8_matmul_triton  # lazy: triton, only on CUDA
             return fp8_matmul_triton(x, self.weight, self.weight_scale, self.cfg.block)
         # The model's own GEMM on the dequantized weight, so logits equal the dequantized model's.
         return dense_linear(x, dequantize_fp8_weight(self.weight, self.weight_scale, self.cfg.block, x.dtype))
@@ -517,7 +516,7 @@ class Int4Linear(QuantLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from pagoda.kernels.triton_quant import int4_matmul_triton  # triton loads only when used
+            from pagoda.kernels.triton_quant import int4_matmul_triton  # lazy: triton, only on CUDA
             return int4_matmul_triton(x, self.qweight, self.zeros, self.scales, self.g_idx)
         return dense_linear(x, self.dequantized(x.dtype))     # the model's own GEMM, as Fp8Linear's
 

@@ -14,6 +14,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from pagoda.kernels import cpu_attention
+from pagoda.kernels.cpu_ops import write_kv_cache_cpu
 from pagoda.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
 
@@ -48,17 +50,15 @@ def select_backend(name: str, device: torch.device) -> tuple[Callable, Callable]
     if name == "torch":
         return write_kv_cache_ref, paged_attention_ref
     if name == "cpu":
-        from pagoda.kernels import cpu_attention
         # Built now, during start-up, not in the first step; without a compiler this warns once
         # and every call takes the reference.
         cpu_attention.available()
-        from pagoda.kernels.cpu_ops import write_kv_cache_cpu
         return write_kv_cache_cpu, cpu_attention.paged_attention_cpu
     if name == "triton":
         # Off CUDA the kernels run under Triton's interpreter (kernels/launch.py): exact but
         # slow, for the CPU twins of the GPU tests.
-        from pagoda.kernels.triton_attention import paged_attention_triton
-        from pagoda.kernels.triton_cache import write_kv_cache_triton
+        from pagoda.kernels.triton_attention import paged_attention_triton  # lazy: triton, only with its backend
+        from pagoda.kernels.triton_cache import write_kv_cache_triton  # lazy: triton, only with its backend
         return write_kv_cache_triton, paged_attention_triton
     raise ValueError(f"attention_backend: must be one of {', '.join(BACKENDS)} (got {name!r})")
 

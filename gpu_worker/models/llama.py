@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
         if self.ops == "cpu":
             return add_rms_norm_cpu(x, residual, self.weight, self.eps)
         if self.ops == "triton" and x.dim() == 2:
-            from pagoda.kernels.triton_norm import add_rms_norm_triton  # triton loads only when used
+            from pagoda.kernels.triton_norm import add_rms_norm_triton  # lazy: triton, only with its backend
             return add_rms_norm_triton(x, residual, self.weight, self.eps)
         return add_rms_norm_ref(x, residual, self.weight, self.eps)
 
@@ -126,7 +126,7 @@ class RotaryEmbedding(nn.Module):
         if self.ops == "cpu":
             return rotary_cpu(positions, q, k, cos, sin)
         if self.ops == "triton":
-            from pagoda.kernels.triton_norm import rotary_triton
+            from pagoda.kernels.triton_norm import rotary_triton  # lazy: triton, only with its backend
             return rotary_triton(positions, q, k, cos, sin)
         return rotary_ref(positions, q, k, cos, sin)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -136,7 +137,7 @@ def current_shard() -> Shard:
     return _building
 
 
-def _kv_heads(cfg) -> int:
+def kv_heads_of(cfg) -> int:
     return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
@@ -146,30 +147,7 @@ def head_dim_of(cfg) -> int:
 
 def local_heads(cfg, shard: Shard) -> tuple[int, int]:
     """(query heads, KV heads) held by one rank."""
-    return cfg.num_attention_heads // shard.size, max(_kv_heads(cfg) // shard.size, 1)
-
-
-def check_tensor_parallel(cfg, size: int, device: str) -> None:
-    """Refuse, at start, a size the model's shapes or the machine cannot take."""
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"tensor_parallel_size: must be a positive integer (got {size!r})")
-    if size == 1:
-        return
-    from pagoda.gpu_worker.models import model_class
-    if not getattr(model_class(cfg), "tensor_parallel", False):
-        raise ValueError(f"tensor_parallel_size: {size} needs a model that shards (native Llama family); "
-                         f"{model_class(cfg).__name__} does not")
-    heads, kv = cfg.num_attention_heads, _kv_heads(cfg)
-    shapes = [("attention heads (num_attention_heads)", heads),
-              ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)]
-    for what, n in shapes:
-        if n % size:
-            raise ValueError(f"tensor_parallel_size: {size} does not divide the model's {n} {what}")
-    if kv % size and size % kv:
-        raise ValueError(f"tensor_parallel_size: {size} and the model's {kv} KV heads must divide one another")
-    if device == "cuda" and size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size: {size} ranks need {size} GPUs; "
-                         f"{torch.cuda.device_count()} are visible")
+    return cfg.num_attention_heads // shard.size, max(kv_heads_of(cfg) // shard.size, 1)
 
 
 def shard_slice(cfg, name: str, shard: Shard) -> tuple[int, int, int] | None:
@@ -187,7 +165,7 @@ def shard_slice(cfg, name: str, shard: Shard) -> tuple[int, int, int] | None:
         per = cfg.num_attention_heads // n * d
         return 0, r * per, per
     if module in ("k_proj", "v_proj"):
-        kv = _kv_heads(cfg)
+        kv = kv_heads_of(cfg)
         if kv % n == 0:
             return 0, r * (kv // n) * d, (kv // n) * d
         return 0, (r * kv // n) * d, d       # fewer KV heads than ranks: the one this rank's queries read
@@ -203,6 +181,22 @@ def shard_slice(cfg, name: str, shard: Shard) -> tuple[int, int, int] | None:
     return None     # norms, row-parallel biases: every rank holds them whole
 
 
+# The model's collectives, over the default group (runner/distributed.py forms it).
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum x over the ranks in place (row-parallel outputs, vocab-parallel embeddings)."""
+    dist.all_reduce(x)
+    return x
+
+
+def gather_last_dim(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Concatenate every rank's x along the last dim on rank 0 (vocab-parallel logits); other ranks
+    get their own x back, which they do not use."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)] if rank == 0 else None
+    dist.gather(x, parts, dst=0)
+    return torch.cat(parts, dim=-1) if parts is not None else x
+
+
 class RowParallelLinear(nn.Module):
     """y = x_local @ W_local^T summed over ranks, then the (replicated) bias."""
 
@@ -215,7 +209,6 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
             return dense_linear(x, self.weight, self.bias)
-        from pagoda.gpu_worker.runner.distributed import all_reduce
         y = all_reduce(dense_linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
@@ -233,7 +226,6 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
             return F.embedding(ids, self.weight)
-        from pagoda.gpu_worker.runner.distributed import all_reduce
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
@@ -244,6 +236,5 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, shard: Shard) ->
     """fp32 logits over the whole vocabulary on rank 0 (each rank computes its vocab range)."""
     logits = dense_linear(hidden, weight)
     if shard.size > 1:
-        from pagoda.gpu_worker.runner.distributed import gather_last_dim
         logits = gather_last_dim(logits, shard.rank, shard.size)
     return logits.float()

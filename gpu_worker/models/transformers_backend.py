@@ -50,7 +50,7 @@ def pagoda_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def register() -> None:
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # lazy: transformers takes seconds to import; only this backend
     AttentionInterface.register(ATTN_IMPLEMENTATION, pagoda_attention)
 
 
@@ -128,7 +128,7 @@ def logits_post_processing(hf_model: Any, cfg):
 
 def load_transformers_model(path: str, hf_config, device: torch.device,
                             dtype: torch.dtype) -> TransformersForCausalLM:
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM  # lazy: as register()
     cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
     if not getattr(cls, "_supports_attention_backend", False):
         raise ValueError(f"model: {cls.__name__}'s modeling code does not route attention through "

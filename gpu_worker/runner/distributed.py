@@ -4,9 +4,9 @@ Rank 0 is the process the user starts: it keeps the scheduler, KV manager, serve
 starts ranks 1..N-1 (which run only the model) and drives them with one pickled command per
 call over a CPU (gloo) group: ("run_model", step tensors), ("allocate_kv_cache", n), ... Each rank
 runs the same ModelRunner method on its own shard; the model's collectives (all-reduce, logits
-gather) go over the default group, NCCL on CUDA and gloo on CPU, with a timeout so that no
-collective waits forever. Commands travel on their own gloo group with no practical timeout,
-because ranks idle there as long as the server has no work.
+gather: models/parallel.py) go over the default group, NCCL on CUDA and gloo on CPU, with a
+timeout so that no collective waits forever. Commands travel on their own gloo group with no
+practical timeout, because ranks idle there as long as the server has no work.
 
 Failure: a watchdog thread per rank on rank 0 waits for that rank's process to end; a rank that
 exits marks the group failed (RankFailure), runs the failure callbacks (AsyncLLM ends its streams)
@@ -67,21 +67,6 @@ def init_group(rank: int, size: int, port: int, device: str) -> None:
     _cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum x over the ranks in place (row-parallel outputs, vocab-parallel embeddings)."""
-    dist.all_reduce(x)
-    return x
-
-
-def gather_last_dim(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Concatenate every rank's x along the last dim on rank 0 (vocab-parallel logits); other ranks
-    get their own x back, which they do not use."""
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(size)] if rank == 0 else None
-    dist.gather(x, parts, dst=0)
-    return torch.cat(parts, dim=-1) if parts is not None else x
-
-
 def min_over_ranks(n: int, size: int) -> int:
     """The smallest n any rank holds (KV blocks: the pool must fit on every rank)."""
     if size == 1:
@@ -114,7 +99,9 @@ def _to_cpu(obj):
 class TensorParallel:
     """Rank 0's handle on ranks 1..N-1: starts them, sends them commands, notices their death."""
 
-    def __init__(self, config, hf_config):
+    def __init__(self, config, hf_config, runner_cls: Callable):
+        """runner_cls(config, rank=, hf_config=): each rank's runner, built in the rank process
+        (ModelRunner, handed in: the runner module imports this one)."""
         self.size = config.tensor_parallel_size
         self.failed: RankFailure | None = None
         self.bytes_sent = 0            # pickled command bytes, for the communication figures
@@ -126,11 +113,11 @@ class TensorParallel:
         # of a second instead of importing torch again; no CUDA or threads are forked. The HF
         # config goes as a plain dict, so that ranks never import transformers either.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["pagoda.gpu_worker.runner.model_runner"])
+        ctx.set_forkserver_preload([runner_cls.__module__])
         # Rank 0 alone holds the write end: ranks read EOF as soon as it is gone.
         alive_r, self._alive = ctx.Pipe(duplex=False)
         self.procs = [ctx.Process(target=rank_main, name=f"pagoda-tp-rank{r}", daemon=True,
-                                  args=(config, hf_config.to_dict(), r, self.size, port, alive_r,
+                                  args=(runner_cls, config, hf_config.to_dict(), r, self.size, port, alive_r,
                                         torch.get_num_threads()))
                       for r in range(1, self.size)]
         try:
@@ -219,15 +206,15 @@ def _watch_parent(alive) -> None:
     os._exit(1)     # rank 0 is gone: nobody will send another command
 
 
-def rank_main(config, hf_config: dict, rank: int, size: int, port: int, alive, threads: int) -> None:
+def rank_main(runner_cls: Callable, config, hf_config: dict, rank: int, size: int, port: int,
+              alive, threads: int) -> None:
     """Body of ranks 1..N-1: load this rank's shard, then run rank 0's commands until "stop"."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
     threading.Thread(target=_watch_parent, args=(alive,), daemon=True).start()
     torch.set_num_threads(threads)
     init_group(rank, size, port, config.resolved_device())
     try:
-        from pagoda.gpu_worker.runner.model_runner import ModelRunner
-        runner = ModelRunner(config, rank=rank, hf_config=SimpleNamespace(**hf_config))
+        runner = runner_cls(config, rank=rank, hf_config=SimpleNamespace(**hf_config))
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=_cpu_group)

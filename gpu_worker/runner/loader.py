@@ -22,8 +22,12 @@ import logging
 import os
 
 import torch
+from safetensors import safe_open
 
-from pagoda.gpu_worker.models import MODEL_REGISTRY, model_class
+from pagoda.gpu_worker.features.quantization import quant_layers, quantize_model
+from pagoda.gpu_worker.models.parallel import Shard, shard_slice, sharding
+from pagoda.gpu_worker.models.registry import MODEL_REGISTRY, model_class
+from pagoda.gpu_worker.models.transformers_backend import load_transformers_model
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ def resolve_model(model: str, revision: str | None = None) -> str:
         return model
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ValueError(f"model: {model!r} is not a directory (pass --model a checkpoint directory or a hub id)")
+    # lazy: huggingface_hub takes half a second to import; only a hub id needs it
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -81,7 +86,7 @@ def resolve_model(model: str, revision: str | None = None) -> str:
 def load_hf_config(path: str):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model: no config.json in {path!r}")
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers takes seconds to import; only to read a checkpoint
     return AutoConfig.from_pretrained(path)
 
 
@@ -100,7 +105,6 @@ def checkpoint_files(path: str) -> list[str]:
 def iter_weights(path: str, shard_of=None):
     """(hf_name, cpu tensor) for every tensor in the checkpoint, one at a time. shard_of(name) ->
     (dim, start, length) or None: read only that slice (a tensor-parallel rank's shard)."""
-    from safetensors import safe_open
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -117,7 +121,7 @@ def choose_backend(hf_config, model_impl: str = "auto") -> tuple[str, str]:
     """(native | transformers, why) for a checkpoint; ValueError naming the architecture if
     pagoda cannot serve it."""
     # By model_type, not config class: tensor-parallel ranks get the config as a plain namespace.
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: as load_hf_config
     archs = list(getattr(hf_config, "architectures", None) or [])
     name = archs[0] if archs else f"(none; model_type {hf_config.model_type})"
     causal = [a for a in archs if a.endswith(("ForCausalLM", "LMHeadModel"))]
@@ -142,7 +146,6 @@ def load_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, s
                model_impl: str = "auto", quant=None) -> torch.nn.Module:
     """Build the model on the meta device and load its weights (only `shard`'s slices, if given:
     native models only); `quant` (a pagoda.gpu_worker.features.quantization.QuantConfig) quantizes its linears."""
-    from pagoda.gpu_worker.models.parallel import Shard, shard_slice, sharding
     shard = shard or Shard()
     backend, why = choose_backend(hf_config, model_impl)
     log.info("model %s: %s backend (%s)", getattr(hf_config, "architectures", None), backend, why)
@@ -156,14 +159,12 @@ def load_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, s
         if shard.size > 1:
             raise ValueError(f"tensor_parallel_size: {shard.size} needs the native backend; "
                              "the transformers backend runs on one rank")
-        from pagoda.gpu_worker.models.transformers_backend import load_transformers_model
         return load_transformers_model(path, hf_config, device, dtype)
     cls = model_class(hf_config)
     with torch.device("meta"), sharding(shard):
         model = cls(hf_config)
     model = model.to(dtype)
     if quant is not None:
-        from pagoda.gpu_worker.features.quantization import quantize_model
         quantize_model(model, quant, dtype)
     model = model.to_empty(device=device)
     names = None if shard.size == 1 else (lambda name: shard_slice(hf_config, name, shard))
@@ -174,7 +175,6 @@ def load_model(path: str, hf_config, device: torch.device, dtype: torch.dtype, s
 def load_weights(model: torch.nn.Module, weights, device: torch.device | None = None) -> None:
     """Copy checkpoint tensors into the model's parameters; a quantized layer
     (pagoda.gpu_worker.features.quantization.QuantLinear) takes its own tensors and converts them."""
-    from pagoda.gpu_worker.features.quantization import quant_layers
     params = dict(model.named_parameters())
     quant = quant_layers(model)
     if device is None:

@@ -24,16 +24,18 @@ from pagoda.gpu_worker.core.host_tier import KVCopy
 from pagoda.gpu_worker.core.outputs import Logprob, ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pagoda.gpu_worker.features.lora import LoRAManager
 from pagoda.gpu_worker.features.quantization import parse_quantization
-from pagoda.gpu_worker.features.spec_decode import DraftModel, Verified, rejection_sample, uniforms_for
+from pagoda.gpu_worker.features.spec_decode import Verified, rejection_sample
 from pagoda.gpu_worker.models.attention import AttentionMetadata, resolve_backend, select_backend
-from pagoda.gpu_worker.models.llama import use_fused_ops
-from pagoda.gpu_worker.models.parallel import Shard, check_tensor_parallel
+from pagoda.gpu_worker.models.llama import LlamaForCausalLM, use_fused_ops
+from pagoda.gpu_worker.models.parallel import Shard
+from pagoda.gpu_worker.models.registry import check_tensor_parallel
 from pagoda.gpu_worker.runner import distributed
 from pagoda.gpu_worker.runner.cuda_graphs import DecodeGraphs, capture_sizes
+from pagoda.gpu_worker.runner.draft_model import DraftModel
 from pagoda.gpu_worker.runner.input_batch import InputBatch, PromptScores, StepInputs
 from pagoda.gpu_worker.runner.loader import load_hf_config, load_model, resolve_dtype, resolve_model
 from pagoda.gpu_worker.runner.memory import cuda_graph_bytes, kv_budget_bytes, module_bytes, sampler_workspace_bytes
-from pagoda.gpu_worker.runner.sampler import Sampled, Sampler
+from pagoda.gpu_worker.runner.sampler import Sampled, Sampler, uniforms
 from pagoda.gpu_worker.runner.warmup import WarmupStep, warmup_plan
 from pagoda.kernels.fp8 import kv_cache_dtype
 from pagoda.kernels.reference import new_kv_cache
@@ -99,7 +101,7 @@ class ModelRunner:
         self.tp: distributed.TensorParallel | None = None
         if rank == 0 and self.shard.size > 1:
             # Started first: the other ranks start while this one reads the tokenizer.
-            self.tp = distributed.TensorParallel(config, self.hf_config)
+            self.tp = distributed.TensorParallel(config, self.hf_config, ModelRunner)
             weakref.finalize(self, self.tp.close)
         if rank == 0:    # other ranks never tokenize
             # The worker process's one tokenizer: the engine detokenizes with it, the server
@@ -161,7 +163,6 @@ class ModelRunner:
 
     def _lora_manager(self) -> LoRAManager:
         """Device slots for --max-loras adapters, and the --lora-modules adapters registered."""
-        from pagoda.gpu_worker.models.llama import LlamaForCausalLM
         if not isinstance(self.model, LlamaForCausalLM):
             raise ValueError(f"enable_lora: needs a native Llama-family model; {type(self.model).__name__} "
                              "is served through transformers")
@@ -177,7 +178,7 @@ class ModelRunner:
         if self.tokenizer.eos_token_id is not None:
             ids.append(int(self.tokenizer.eos_token_id))
         try:
-            from transformers import GenerationConfig
+            from transformers import GenerationConfig  # lazy: transformers takes seconds to import; rank 0 alone
             gen_eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
         except OSError:
             gen_eos = None
@@ -281,7 +282,7 @@ class ModelRunner:
         SERVING (gpu_worker/runner/warmup.py); CUDA only: on CPU nothing compiles."""
         if self.device.type != "cuda" or self.backend != "triton":
             return
-        from pagoda.kernels.triton_attention import _num_sms, launch_config
+        from pagoda.kernels.triton_attention import _num_sms, launch_config  # lazy: triton, only with its backend
         start = time.perf_counter()
         attn = self.model.attention_layers()[0]
         block_n = launch_config(1, 1, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.block_size,
@@ -581,7 +582,7 @@ class ModelRunner:
         expanded = np.repeat(inputs.sample_rows[spec], ks + 1)
         sb = self.batch.sampling_batch(expanded, staged=False)
         target = Sampler.probs(Sampler.process(logits[self._upload(spec_rows)], sb), sb)
-        u = uniforms_for(len(expanded), sb.generators, self.device)
+        u = uniforms(len(expanded), sb.generators, self.device)
         if proposed is not None:
             draft_ids, draft_probs = proposed
         else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from pagoda.gpu_worker.core.outputs import Logprob, TokenLogprobs
@@ -124,7 +125,7 @@ class Sampler:
         probs = probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
         if b.any_min_p:     # below min_p of the best token's probability
             probs.masked_fill_(probs < b.min_p[:, None], 0.0)
-        u = _uniforms(probs.shape[0], b.generators, probs.device)
+        u = uniforms(probs.shape[0], b.generators, probs.device)
         if b.top_k_max or b.any_top_p:
             sampled = _sample_truncated(probs, b, u)
         else:
@@ -190,7 +191,7 @@ class Sampler:
         return out_tokens, out_lps
 
 
-def _uniforms(n: int, generators: list[tuple[int, torch.Generator]], device: torch.device) -> torch.Tensor:
+def uniforms(n: int, generators: list[tuple[int, torch.Generator]], device: torch.device) -> torch.Tensor:
     """One uniform per row: unseeded rows in one call, seeded rows from their own generator."""
     u = torch.rand(n, device=device)
     for i, g in generators:
@@ -246,6 +247,5 @@ def _sorted_values(probs: torch.Tensor) -> torch.Tensor:
     """Each row's values, largest first. On CPU numpy's sort: torch's measured about ten times
     slower there (bench/overhead.py, 256 x 640)."""
     if probs.device.type == "cpu":
-        import numpy as np
         return torch.from_numpy(np.ascontiguousarray(np.sort(probs.numpy(), axis=-1)[:, ::-1]))
     return probs.sort(dim=-1, descending=True).values

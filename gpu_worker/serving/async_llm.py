@@ -23,6 +23,7 @@ from pagoda.gpu_worker.core.config import EngineConfig
 from pagoda.gpu_worker.core.outputs import EngineStats, StreamDelta
 from pagoda.gpu_worker.core.sampling_params import SamplingParams
 from pagoda.gpu_worker.engine.llm_engine import LLMEngine
+from pagoda.gpu_worker.features.lora import load_peft_adapter
 from pagoda.gpu_worker.serving.coalesce import Coalescer
 
 logger = logging.getLogger(__name__)
@@ -206,7 +207,6 @@ class AsyncLLM:
             raise ValueError("lora_path: must name the adapter's directory")
         if name in runner.lora.adapters:
             raise ValueError(f"lora_name: adapter {name!r} is already loaded")
-        from pagoda.gpu_worker.features.lora import load_peft_adapter
         adapter = await asyncio.to_thread(load_peft_adapter, name, path, runner.hf_config, runner.lora.max_rank)
 
         def register(engine: LLMEngine) -> list[str]:

@@ -8,6 +8,7 @@ handler task, which closes the engine stream and so aborts the request.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import math
@@ -20,8 +21,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagoda.gpu_worker.core.config import EngineConfig
 from pagoda.gpu_worker.core.sampling_params import SamplingParams
 from pagoda.gpu_worker.features.structured_output import GrammarCompiler, spec_from_proto
+from pagoda.gpu_worker.runner.distributed import RankFailure
+from pagoda.gpu_worker.serving import args as worker_args
+from pagoda.gpu_worker.serving.async_llm import AsyncLLM, QueueFullError
+from pagoda.gpu_worker.serving.metrics import WorkerMetrics
 from pagoda.protos import redis_schema as rs
 from pagoda.protos.limits import Limits, check_fits, check_request
 from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
@@ -125,8 +131,6 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
             self.active.discard(task)
 
     async def _stream(self, rid, field, ids, params, request, context, ident):
-        from pagoda.gpu_worker.runner.distributed import RankFailure
-        from pagoda.gpu_worker.serving.async_llm import QueueFullError
         t0 = time.monotonic()
         last: dict[int, float] = {}                # per sequence: when its last token went out
         stream = self.engine.generate(scoped_id(ident, rid), ids, params, priority=request.priority,
@@ -298,7 +302,6 @@ class Worker:
         self.stopped = asyncio.Event()
 
     async def start(self) -> None:
-        from pagoda.gpu_worker.serving import args as worker_args
         a = self.args
         # Every port and credential first: a mistake is reported before the slow model load.
         creds, self.keyring = _security(a)
@@ -310,12 +313,9 @@ class Worker:
         # After binding, so that --port 0 yields an id (and address) with the real port.
         self.worker_id = a.worker_id or worker_args.default_worker_id(self.port)
         if self.engine is None:
-            from pagoda.gpu_worker.core.config import EngineConfig
-            from pagoda.gpu_worker.serving.async_llm import AsyncLLM
             self.engine = AsyncLLM(EngineConfig(**worker_args.engine_config_kwargs(a)))
         engine = self.engine
         if metrics_port:
-            from pagoda.gpu_worker.serving.metrics import WorkerMetrics
             self.metrics = WorkerMetrics(engine.stats, engine.model_name, a.metrics_prefix)
             self.metrics.serve(a.host, metrics_port)
         health_servicer = health.aio.HealthServicer()
@@ -349,16 +349,15 @@ class Worker:
 
     async def _start_publisher(self, a) -> None:
         try:
-            from pagoda.gpu_worker.serving.publisher import Publisher
+            from pagoda.gpu_worker.serving.publisher import Publisher  # lazy: redis may be missing; serve without it
         except ImportError as e:    # the publisher is optional: serving must not depend on Redis
             log.warning("redis publisher unavailable (%s); serving without it", e)
             return
-        from pagoda.gpu_worker.serving.args import advertise_address, worker_name
-        address = a.advertise_address or advertise_address(_with_port(a, self.port))
+        address = a.advertise_address or worker_args.advertise_address(_with_port(a, self.port))
         assert self.service is not None          # started just before the publisher
         self.publisher = Publisher(a.redis_url, self.worker_id, self.engine.model_name, address, self.engine,
                                    heartbeat_s=a.heartbeat_interval, snapshot_s=a.snapshot_interval,
-                                   name=worker_name(a, self.port), epoch=self.service.epoch,
+                                   name=worker_args.worker_name(a, self.port), epoch=self.service.epoch,
                                    tokenizer_digest=self.service.tokenizer.digest)
         await self.publisher.start()
 
@@ -406,7 +405,6 @@ def _security(a) -> tuple[Optional[grpc.ServerCredentials], Optional[KeyRing]]:
 
 
 def _with_port(args, port: int):
-    import argparse
     return argparse.Namespace(**{**vars(args), "port": port})
 
 

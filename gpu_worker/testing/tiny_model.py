@@ -27,6 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 TRANSFORMERS_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "mixtral", "qwen3_moe")
@@ -182,7 +187,6 @@ def build_tokenizer(add_bos: bool, byte_level: bool = False, vocab_size: int | N
     vocab_size: the whole vocabulary, tool-call tokens included (default VOCAB_SIZE, or
     BYTE_LEVEL_VOCAB_SIZE). Past what the corpus yields, seeded made-up words (syllables of a
     consonant and a vowel) give the trainer enough pairs to reach it exactly."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     natural = BYTE_LEVEL_VOCAB_SIZE if byte_level else VOCAB_SIZE
     vocab = (vocab_size or natural) - len(TOOL_CALL_TOKENS)
     if byte_level:
@@ -220,7 +224,6 @@ def build_tokenizer(add_bos: bool, byte_level: bool = False, vocab_size: int | N
 
 def _made_up_lines(vocab_size: int) -> list[str]:
     """Extra training text for vocabularies past what CORPUS yields."""
-    import random
     rng = random.Random(vocab_size)
     syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
     words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3 * vocab_size)]
@@ -229,7 +232,6 @@ def _made_up_lines(vocab_size: int) -> list[str]:
 
 def tiny_weights(cfg: dict, seed: int) -> dict:
     """HF-named float32 arrays for `cfg`, drawn so that logits are peaked (module docstring)."""
-    import numpy as np
     rng = np.random.default_rng(seed)
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -278,7 +280,7 @@ def tiny_weights(cfg: dict, seed: int) -> dict:
 def transformers_weights(cfg: dict, seed: int) -> dict:
     """Weights for any family, named and shaped by transformers' own model of `cfg` (built on the
     meta device, so nothing is allocated), drawn by the same rules as tiny_weights."""
-    import numpy as np
+    # lazy: torch and transformers only for the non-native families (module docstring)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
@@ -318,8 +320,6 @@ def make_tiny_model(path: str, family: str = "llama", seed: int = 0, vocab_size:
     tokenizer's vocabularies agree (default: build_tokenizer's)."""
     if family not in FAMILIES:
         raise ValueError(f"family: must be one of {', '.join(FAMILIES)} (got {family!r})")
-    from safetensors.numpy import save_file
-
     os.makedirs(path, exist_ok=True)
     add_bos = family in BOS_FAMILIES
     tok = build_tokenizer(add_bos, byte_level=family in BYTE_LEVEL_FAMILIES, vocab_size=vocab_size)
@@ -360,8 +360,6 @@ def make_tiny_lora(path: str, base: str, seed: int = 0, rank: int = 8, alpha: fl
     adapter_config.json and adapter_model.safetensors under PEFT's names. A and B are both drawn
     non-zero (PEFT starts B at zero, which would change nothing) and large enough that the
     adapter visibly changes greedy outputs while logits stay peaked."""
-    import numpy as np
-    from safetensors.numpy import save_file
     with open(os.path.join(base, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]

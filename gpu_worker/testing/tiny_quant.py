@@ -27,6 +27,7 @@ import re
 import shutil
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from pagoda.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
@@ -149,7 +150,6 @@ def quantization_config(fmt: str, **o) -> dict:
 
 def quantize_checkpoint(src: str, dst: str, fmt: str, seed: int = 0, **o) -> tuple[str, str]:
     """Write `dst` (quantized, as `fmt` publishes it) and `dst`-ref (dequantized fp32); returns both."""
-    from safetensors.torch import load_file, save_file
     ref = dst.rstrip("/") + "-ref"
     for d in (dst, ref):
         os.makedirs(d, exist_ok=True)
@@ -237,7 +237,6 @@ def dequantize_fp8_dynamic(src: str, dst: str, tensor_parallel_size: int = 1) ->
     (per-channel e4m3, dequantized to fp32): the reference of the dynamic fp8 path. Under tensor
     parallelism each rank quantizes its own slice: the row-parallel o_proj / down_proj rows are
     cut into tensor_parallel_size column slices, each with its own scale."""
-    from safetensors.torch import load_file, save_file
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):
         if not f.endswith(".safetensors") and os.path.isfile(os.path.join(src, f)):
