@@ -61,9 +61,9 @@ def _chunk_json(c) -> str:
 
 
 def run_generate(argv: list[str]) -> int:
-    import grpc
+    import grpc  # lazy: grpc and the client only for `generate`; `worker` and `router` exec at once
 
-    from pagoda.clients.client import PagodaClient
+    from pagoda.clients.client import PagodaClient  # lazy: as grpc
     a = generate_parser().parse_args(argv)
     metadata = []
     for item in a.metadata:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         # exec, not subprocess: signals (SIGTERM drain) reach the server directly.
         os.execv(sys.executable, [sys.executable, "-m", _EXEC[cmd], *rest])
     if cmd == "up":
-        from pagoda.clients.up import main as up_main
+        from pagoda.clients.up import main as up_main  # lazy: only `pagoda up` needs it
         return up_main(rest) or 0
     if cmd == "generate":
         return run_generate(rest)

@@ -26,8 +26,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 from pagoda.runtime.cli_help import DefaultsHelpFormatter
 from pagoda.runtime.lifetime import PARENT_PID_ENV, end_with_spawner
+from pagoda.runtime.serving import StartupError, check_port_free
 
 DEFAULT_CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
 
@@ -217,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--worker/--worker-args/--router-args: {e}")
     if a.workers < 0 or not a.worker_flags:
         parser.error("--workers: at least one worker is needed (--workers N or --worker FLAGS)")
-    from pagoda.runtime.serving import StartupError, check_port_free
     try:                                 # before building or starting anything
         check_port_free(a.host, a.port, "--port")
         check_port_free(a.host, a.router_metrics_port, "--router-metrics-port")
@@ -312,8 +314,6 @@ def _serving(address: str) -> bool:
 
 def _router_ready(address: str) -> bool:
     """The router can serve: it answers and knows a live worker (GetModelInfo goes through one)."""
-    from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
-    from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
     with grpc.insecure_channel(address) as ch:
         try:
             pb_grpc.GenerationStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=1.0)

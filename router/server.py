@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagoda.protos.limits import Limits
 from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+from pagoda.router.args import build_parser
 from pagoda.router.channels import WorkerChannels
 from pagoda.router.cluster import Cluster
 from pagoda.router.grpc_front import RouterService, add_to_server
@@ -87,7 +88,7 @@ class Router:
         for service in ("", name):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.http_port:
-            from pagoda.router.openai.front import OpenAIFront
+            from pagoda.router.openai.front import OpenAIFront  # lazy: aiohttp only with --http-port
             self.http = OpenAIFront(self.pipeline, self.args.tool_call_parser)
             await self.http.start(self.host, self.http_port)
         self._sync_health = asyncio.create_task(self._report_sync())
@@ -141,7 +142,6 @@ async def _serve(a) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagoda.router.args import build_parser
     a = build_parser().parse_args(argv)
     die_with_parent()
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
