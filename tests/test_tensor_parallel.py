@@ -155,6 +155,48 @@ def test_vocab_not_divisible_more_ranks_than_gpus_and_bad_sizes_are_refused():
             EngineConfig(model="x", tensor_parallel_size=bad)
 
 
+def test_rank_commands_travel_typed_and_call_the_method_they_name():
+    """What rank 0 broadcasts: each command pickles as sent (tensors on the CPU), comes back on
+    the rank's device and calls the one runner method it stands for."""
+    import pickle
+
+    import torch
+
+    from pagoda.gpu_worker.models.attention import AttentionMetadata
+    from pagoda.gpu_worker.runner import distributed as d
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.calls: list[tuple] = []
+
+        def run_model(self, ids, pos, meta, logits_indices):
+            self.calls.append(("run_model", ids.tolist(), pos.tolist(), meta.seq_lens.tolist(), logits_indices.tolist()))
+
+        def allocate_kv_cache(self, num_blocks):
+            self.calls.append(("allocate_kv_cache", num_blocks))
+
+        def agreed_num_blocks(self):
+            self.calls.append(("agreed_num_blocks",))
+
+        def copy_blocks(self, copies):
+            self.calls.append(("copy_blocks", copies))
+
+    i32 = torch.tensor([2], dtype=torch.int32)
+    meta = AttentionMetadata(torch.tensor([0, 1]), i32.view(1, 1), i32, torch.tensor([0, 2], dtype=torch.int32), 2)
+    commands = [d.RunModel(torch.tensor([5, 6]), torch.tensor([0, 1]), meta, torch.tensor([1])),
+                d.AllocateKVCache(7), d.AgreeNumBlocks(), d.CopyBlocks([(1, 2)])]
+    runner = Runner()
+    for command in commands:
+        got = pickle.loads(pickle.dumps(d._to_cpu(command)))
+        assert type(got) is type(command)
+        d._to_device(got, runner.device).apply(runner)
+    assert runner.calls == [("run_model", [5, 6], [0, 1], [2], [1]), ("allocate_kv_cache", 7),
+                            ("agreed_num_blocks",), ("copy_blocks", [(1, 2)])]
+    assert isinstance(pickle.loads(pickle.dumps(d.Stop())), d.Stop)
+
+
 def _rank_pids(log: str) -> list[int]:
     m = re.search(r"tensor parallel: \d+ ranks \(pids \[([\d, ]+)\]\)", log)
     assert m, log[-2000:]

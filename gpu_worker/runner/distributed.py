@@ -2,11 +2,11 @@
 
 Rank 0 is the process the user starts: it keeps the scheduler, KV manager, server and publisher,
 starts ranks 1..N-1 (which run only the model) and drives them with one pickled command per
-call over a CPU (gloo) group: ("run_model", step tensors), ("allocate_kv_cache", n), ... Each rank
-runs the same ModelRunner method on its own shard; the model's collectives (all-reduce, logits
-gather: models/parallel.py) go over the default group, NCCL on CUDA and gloo on CPU, with a
-timeout so that no collective waits forever. Commands travel on their own gloo group with no
-practical timeout, because ranks idle there as long as the server has no work.
+call over a CPU (gloo) group: a typed object (RunModel with the step's tensors, AllocateKVCache,
+...) that calls the same ModelRunner method on each rank's own shard. The model's collectives
+(all-reduce, logits gather: models/parallel.py) go over the default group, NCCL on CUDA and gloo
+on CPU, with a timeout so that no collective waits forever. Commands travel on their own gloo
+group with no practical timeout, because ranks idle there as long as the server has no work.
 
 Failure: a watchdog thread per rank on rank 0 waits for that rank's process to end; a rank that
 exits marks the group failed (RankFailure), runs the failure callbacks (AsyncLLM ends its streams)
@@ -22,12 +22,15 @@ import pickle
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Union
 
 import torch
 import torch.distributed as dist
+
+from pagoda.gpu_worker.models.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +99,70 @@ def _to_cpu(obj):
     return _to_device(obj, torch.device("cpu"))
 
 
+# ---- commands: what rank 0 has every other rank do -------------------------------------------
+
+class RankRunner(Protocol):
+    """What a rank's runner does on command (ModelRunner)."""
+    device: torch.device
+
+    def run_model(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                  logits_indices: torch.Tensor) -> torch.Tensor: ...
+
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+
+    def agreed_num_blocks(self) -> int: ...
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None: ...
+
+
+@dataclass(frozen=True)
+class RunModel:
+    """One step's forward on every rank's shard."""
+    ids: torch.Tensor
+    pos: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+
+    def apply(self, runner: RankRunner) -> None:
+        runner.run_model(self.ids, self.pos, self.meta, self.logits_indices)
+
+
+@dataclass(frozen=True)
+class AllocateKVCache:
+    num_blocks: int
+
+    def apply(self, runner: RankRunner) -> None:
+        runner.allocate_kv_cache(self.num_blocks)
+
+
+@dataclass(frozen=True)
+class AgreeNumBlocks:
+    """Every rank offers its pool size; all take the smallest (a collective)."""
+
+    def apply(self, runner: RankRunner) -> None:
+        runner.agreed_num_blocks()
+
+
+@dataclass(frozen=True)
+class CopyBlocks:
+    copies: list[tuple[int, int]]
+
+    def apply(self, runner: RankRunner) -> None:
+        runner.copy_blocks(self.copies)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The rank exits."""
+
+
+Command = Union[RunModel, AllocateKVCache, AgreeNumBlocks, CopyBlocks, Stop]
+
+
 class TensorParallel:
     """Rank 0's handle on ranks 1..N-1: starts them, sends them commands, notices their death."""
 
-    def __init__(self, config, hf_config, runner_cls: Callable):
+    def __init__(self, config, hf_config, runner_cls: Callable[..., RankRunner]):
         """runner_cls(config, rank=, hf_config=): each rank's runner, built in the rank process
         (ModelRunner, handed in: the runner module imports this one)."""
         self.size = config.tensor_parallel_size
@@ -150,11 +213,11 @@ class TensorParallel:
     def on_failure(self, callback: Callable[[RankFailure], None]) -> None:
         self._callbacks.append(callback)
 
-    def send(self, method: str, *args) -> None:
-        """Have every other rank call runner.<method>(*args); rank 0 then makes the same call."""
+    def send(self, command: Command) -> None:
+        """Have every other rank apply the command to its runner; rank 0 then makes the same call."""
         if self.failed is not None:
             raise self.failed
-        payload = pickle.dumps((method, _to_cpu(args)), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(_to_cpu(command), protocol=pickle.HIGHEST_PROTOCOL)
         self.bytes_sent += len(payload)
         try:
             dist.broadcast_object_list([payload], src=0, group=_cpu_group)
@@ -178,13 +241,13 @@ class TensorParallel:
             self.fail(f"rank {rank} exited (code {proc.exitcode})")
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the ranks (a "stop" command, then kill what is left)."""
+        """Stop the ranks (a Stop command, then kill what is left)."""
         if self._closing:
             return
         self._closing = True
         if self.failed is None:
             try:
-                self.send("stop")
+                self.send(Stop())
             except RankFailure:
                 pass
         deadline = time.monotonic() + timeout
@@ -206,9 +269,9 @@ def _watch_parent(alive) -> None:
     os._exit(1)     # rank 0 is gone: nobody will send another command
 
 
-def rank_main(runner_cls: Callable, config, hf_config: dict, rank: int, size: int, port: int,
+def rank_main(runner_cls: Callable[..., RankRunner], config, hf_config: dict, rank: int, size: int, port: int,
               alive, threads: int) -> None:
-    """Body of ranks 1..N-1: load this rank's shard, then run rank 0's commands until "stop"."""
+    """Body of ranks 1..N-1: load this rank's shard, then run rank 0's commands until Stop."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
     threading.Thread(target=_watch_parent, args=(alive,), daemon=True).start()
     torch.set_num_threads(threads)
@@ -218,10 +281,10 @@ def rank_main(runner_cls: Callable, config, hf_config: dict, rank: int, size: in
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=_cpu_group)
-            method, args = pickle.loads(box[0])
-            if method == "stop":
+            command: Command = pickle.loads(box[0])
+            if isinstance(command, Stop):
                 break
-            getattr(runner, method)(*_to_device(args, runner.device))
+            _to_device(command, runner.device).apply(runner)
     except Exception:
         log.exception("rank %d failed", rank)
         os._exit(1)

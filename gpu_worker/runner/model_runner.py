@@ -88,7 +88,7 @@ def load_tokenizer(model_path: str) -> PromptTokenizer:
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0, hf_config=None):
         """rank > 0: a tensor-parallel rank's runner (pagoda.gpu_worker.runner.distributed.rank_main); it only
-        runs the model, on the commands rank 0 sends, with rank 0's hf_config."""
+        runs the model, on the commands rank 0 sends (distributed.Command), with rank 0's hf_config."""
         self.config = config
         self.shard = Shard(rank, config.tensor_parallel_size)
         self.device = distributed.local_device(config.resolved_device(), rank, self.shard.size)
@@ -204,7 +204,7 @@ class ModelRunner:
 
     def num_blocks_for(self) -> int:
         if self.tp is not None:
-            self.tp.send("agreed_num_blocks")
+            self.tp.send(distributed.AgreeNumBlocks())
         return self.agreed_num_blocks()
 
     def agreed_num_blocks(self) -> int:
@@ -333,7 +333,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if self.tp is not None:
-            self.tp.send("allocate_kv_cache", num_blocks)
+            self.tp.send(distributed.AllocateKVCache(num_blocks))
         self._bind_kv_cache(num_blocks)
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
@@ -462,7 +462,7 @@ class ModelRunner:
         if self.tp is None:
             return self.run_model(*args), inputs
         # Every rank runs the same step on its shard: one broadcast of the step's inputs.
-        self.tp.send("run_model", *args)
+        self.tp.send(distributed.RunModel(*args))
         try:
             return self.run_model(*args), inputs
         except distributed.RankFailure:
@@ -487,7 +487,7 @@ class ModelRunner:
         beams shared), before the step's forward writes into dst. One gather and one scatter per
         tensor; on CUDA they queue in stream order, after the step that wrote src."""
         if self.tp is not None:
-            self.tp.send("copy_blocks", copies)
+            self.tp.send(distributed.CopyBlocks(copies))
         src = torch.tensor([a for a, _ in copies], dtype=torch.int64, device=self.device)
         dst = torch.tensor([b for _, b in copies], dtype=torch.int64, device=self.device)
         for cache in self.kv_caches:
