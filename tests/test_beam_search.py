@@ -5,6 +5,7 @@ import pytest
 
 from pagoda.gpu_worker.core.outputs import Logprob, TokenLogprobs
 from pagoda.gpu_worker.core.sampling_params import SamplingParams
+from pagoda.gpu_worker.core.stop import LENGTH, check_stop, stop_token_ids
 from pagoda.gpu_worker.features.beam_search import BeamSearchParams, Candidate, beam_score, candidates, select
 
 pytestmark = pytest.mark.usefixtures("no_block_leaks", "one_torch_thread")
@@ -227,11 +228,17 @@ def test_selection_completes_eos_and_ranks_the_rest():
     offered = [(-1.0, 7, _lps([(7, -0.1), (2, -0.2), (8, -3.0)], 7)),
                (-2.0, 9, _lps([(2, -0.05), (9, -0.5), (4, -0.6)], 9))]
     cands = candidates(offered)
-    run, done = select(cands, 2, eos, ignore_eos=False)
-    assert [(c.parent, c.token) for c in run] == [(0, 7), (1, 9)]
+
+    def flags(ignore_eos):
+        return [check_stop(c.token, 10, 1, stop_token_ids((), ignore_eos, eos), 0, 16, 64) for c in cands]
+    run, done = select(cands, flags(False), 2)
+    assert [(c.parent, c.token, f) for c, f in run] == [(0, 7, 0), (1, 9, 0)]
     assert sorted((c.parent, c.token) for c in done) == [(0, 2), (1, 2)]
-    run, done = select(cands, 2, eos, ignore_eos=True)
-    assert done == [] and [(c.parent, c.token) for c in run] == [(0, 7), (0, 2)]
+    run, done = select(cands, flags(True), 2)
+    assert done == [] and [(c.parent, c.token) for c, _ in run] == [(0, 7), (0, 2)]
+    # A candidate that reaches max_tokens runs on only to complete by length.
+    run, _ = select(cands, [LENGTH] * len(cands), 1)
+    assert run == [(cands[0], LENGTH)]
     # A sampled token outside the top list is a candidate too (temperature > 0, as vLLM).
     assert Candidate(0, 5, -1.0 - 9.0) in candidates([(-1.0, 5, _lps([(7, -0.1)], 5))])
     # vLLM's score: length counts the prompt and not a final EOS.

@@ -140,7 +140,7 @@ def test_finish_flags_check_stop_ids_min_tokens_and_length_per_row():
     """The vectorised stop-token and length checks: a stop id (or EOS 2 unless ignored) ends a
     row only once min_tokens are out; max_tokens and max_model_len (64 here) end it by length;
     the flags follow rows that move when another leaves."""
-    from pagoda.gpu_worker.runner.input_batch import LENGTH, STOP_TOKEN
+    from pagoda.gpu_worker.core.stop import LENGTH, STOP_TOKEN
     b = make()
     reqs = {
         "eos": SamplingParams(max_tokens=10),

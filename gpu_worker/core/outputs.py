@@ -74,7 +74,7 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]             # only for requests scheduled with sample=True
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    # Requests whose token ends them (input_batch.STOP_TOKEN / LENGTH bits); absent: goes on,
+    # Requests whose token ends them (core/stop.py: STOP_TOKEN / LENGTH bits); absent: goes on,
     # unless a stop string completes.
     finish_flags: dict[str, int] = field(default_factory=dict)
     # Requests whose chunk scored prompt tokens: (the chunk's first position p, scores of the

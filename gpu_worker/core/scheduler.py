@@ -31,6 +31,7 @@ from pagoda.gpu_worker.core.drafter import Drafter, SpecStats
 from pagoda.gpu_worker.core.kv_cache_manager import CachedBlock, KVCacheManager
 from pagoda.gpu_worker.core.outputs import ModelRunnerOutput, NewRequest, ScheduledRequest, SchedulerOutput
 from pagoda.gpu_worker.core.request import Request, RequestStatus
+from pagoda.gpu_worker.core.stop import reaches_length
 
 
 class WaitingQueue:
@@ -239,13 +240,13 @@ class Scheduler:
         return held
 
     def _ends_in_flight(self, req: Request) -> bool:
-        """The token in flight reaches max_tokens or max_model_len (input_batch's LENGTH check):
-        a further step would compute past the request's end."""
+        """The token in flight ends the request by length (core/stop.py): a further step would
+        compute past the request's end."""
         if not req.num_output_placeholders:
             return False
         after = req.num_output_placeholders
-        return (req.num_output_tokens + after >= req.params.max_tokens
-                or (self.max_model_len is not None and req.num_tokens + after >= self.max_model_len))
+        return reaches_length(req.num_tokens + after, req.num_output_tokens + after, req.params.max_tokens,
+                              self.max_model_len)
 
     def _worse_running(self, req: Request):
         """The running request of strictly lower priority than req (the lowest), if any."""

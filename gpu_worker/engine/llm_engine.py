@@ -21,9 +21,9 @@ from pagoda.gpu_worker.core.outputs import EngineStats, ModelRunnerOutput, Sched
 from pagoda.gpu_worker.core.request import Request, RequestStatus
 from pagoda.gpu_worker.core.sampling_params import SamplingParams
 from pagoda.gpu_worker.core.scheduler import Scheduler
+from pagoda.gpu_worker.core.stop import LENGTH, check_stop, finish_on_token, stop_token_ids
 from pagoda.gpu_worker.features import beam_search
 from pagoda.gpu_worker.features.beam_search import BeamGroup
-from pagoda.gpu_worker.runner.input_batch import LENGTH, STOP_TOKEN
 from pagoda.gpu_worker.runner.model_runner import InFlight, ModelRunner
 from pagoda.protos.block_hash import namespace_root
 from pagoda.runtime.heap import freeze_heap
@@ -214,8 +214,9 @@ class LLMEngine:
         req.is_beam = req.waits_for_its_token = True
         req.beam_width = width
         req.lora = self.runner.lora.adapters[adapter] if adapter and self.runner.lora is not None else None
-        group = BeamGroup(request_id, list(ids), width, params.n, params.max_tokens, params.ignore_eos,
-                          params.length_penalty, beams=[req], cum={req.req_id: 0.0})
+        group = BeamGroup(request_id, list(ids), width, params.n, params.max_tokens,
+                          stop_token_ids((), params.ignore_eos, self.eos_token_ids), params.length_penalty,
+                          beams=[req], cum={req.req_id: 0.0})
         group.forks = serial
         self.beam_groups[request_id] = group
         self.children[request_id] = [req]
@@ -236,18 +237,20 @@ class LLMEngine:
         if group.steps == 0 and parents[0].num_cached_tokens >= 0:
             group.num_cached_tokens = parents[0].num_cached_tokens
         offered = [(group.cum[b.req_id], *b.beam_ready) for b in parents]
-        running, done = beam_search.select(beam_search.candidates(offered), group.width,
-                                           self.eos_token_ids, group.ignore_eos)
+        cands = beam_search.candidates(offered)
+        # A candidate is its parent plus one token; beam search takes no min_tokens (refused).
+        flags = [check_stop(c.token, parents[c.parent].num_tokens + 1, parents[c.parent].num_output_tokens + 1,
+                            group.stop_ids, 0, group.max_tokens, self.max_model_len) for c in cands]
+        running, done = beam_search.select(cands, flags, group.width)
         group.steps += 1
         self.generation_tokens += len(parents)
         for c in done:
-            group.finish_beam(parents[c.parent].all_token_ids + [c.token], c.cum_logprob, self.eos_token_ids)
-        last = group.steps >= group.max_tokens
+            group.finish_beam(parents[c.parent].all_token_ids + [c.token], c.cum_logprob, self.eos_token_ids, True)
         children: list[tuple[Request, int]] = []    # (child, tokens of KV it shares)
-        for c in running:
+        for c, f in running:
             parent = parents[c.parent]
-            if last or parent.num_tokens + 1 >= self.max_model_len:
-                group.finish_beam(parent.all_token_ids + [c.token], c.cum_logprob, self.eos_token_ids)
+            if f & LENGTH:
+                group.finish_beam(parent.all_token_ids + [c.token], c.cum_logprob, self.eos_token_ids, False)
                 continue
             group.forks += 1
             child = parent.fork(f"{group.request_id}#beam.{group.forks}", c.token)
@@ -365,7 +368,7 @@ class LLMEngine:
 
     def _collect(self, step: tuple[SchedulerOutput, Optional[InFlight]]) -> list[tuple[Request, int, int]]:
         """A launched step's requests that got tokens, with their finish flags
-        (input_batch.STOP_TOKEN / LENGTH) and how many tokens (more than one: speculation)."""
+        (core/stop.py: STOP_TOKEN / LENGTH) and how many tokens (more than one: speculation)."""
         out, launched = step
         result: ModelRunnerOutput = self._guarded(self.runner.finish, launched)
         self.num_steps += 1
@@ -397,20 +400,11 @@ class LLMEngine:
 
     def _on_token(self, req: Request, flags: int) -> StreamDelta:
         """One new token of a running request: text, stop strings, and the end the runner's
-        vectorised checks found (flags: input_batch.STOP_TOKEN / LENGTH; a stop token wins
-        over a stop string, which wins over length)."""
+        vectorised checks found (flags: core/stop.py's STOP_TOKEN / LENGTH)."""
         token = req.output_token_ids[-1]
         p = req.params
         detok = self.detokenizers[req.req_id]
-        status = None
-        if flags & STOP_TOKEN:
-            status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = token if token in p.stop_token_ids else None
-        elif detok.add_token(token, check_stop=len(req.output_token_ids) >= p.min_tokens) is not None:
-            status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = detok.stop_reason
-        elif flags & LENGTH:
-            status = RequestStatus.FINISHED_LENGTH
+        status = finish_on_token(req, token, flags, len(req.output_token_ids), detok)
         logprobs = [req.logprobs[-1]] if p.logprobs is not None and req.logprobs else None
         # The prompt's scores go out once, with the first token (the last prompt chunk's step).
         prompt_lps = req.prompt_logprobs if req.wants_prompt_logprobs and len(req.output_token_ids) == 1 else None
@@ -426,20 +420,13 @@ class LLMEngine:
         """n new tokens of a speculating request, in one delta: as _on_token for each, up to the
         first that ends it (the runner cut the tokens after a stop token or the length limit; a
         stop string may end it earlier, and the tokens after that one are dropped)."""
-        p = req.params
         detok = self.detokenizers[req.req_id]
         new = req.output_token_ids[-n:]
         status = None
         for j, token in enumerate(new):
             last = j == n - 1
-            if last and flags & STOP_TOKEN:
-                status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token if token in p.stop_token_ids else None
-            elif detok.add_token(token, check_stop=len(req.output_token_ids) - n + j + 1 >= p.min_tokens) is not None:
-                status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = detok.stop_reason
-            elif last and flags & LENGTH:
-                status = RequestStatus.FINISHED_LENGTH
+            # The runner's flags are the last token's: it cut the tokens after one that ends.
+            status = finish_on_token(req, token, flags if last else 0, len(req.output_token_ids) - n + j + 1, detok)
             if status is not None:
                 if not last:
                     del req.output_token_ids[j + 1 - n:], req.all_token_ids[j + 1 - n:]

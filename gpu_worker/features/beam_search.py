@@ -21,10 +21,11 @@ paper describes instead, inside the engine:
   write finds the block its own and writes in place; full blocks are never copied.
 
 Scoring is vLLM's: candidates are every (beam, token) in the beams' top lists, scored by
-cumulative log-probability; a candidate ending in EOS (unless ignore_eos) is complete, the
-others are ranked and the best beam_width run on. After max_tokens steps (or when no beam is
-left) the complete and running beams are ranked by cum_logprob / len ** length_penalty, len
-counting the prompt and not a final EOS (`beam_score`), and the best come back.
+cumulative log-probability; a candidate that the stop rule (core/stop.py) ends by its token (EOS
+unless ignore_eos) is complete, the others are ranked and the best beam_width run on, those
+the rule ends by length (max_tokens, max_model_len) complete too. When no beam is left the
+complete beams are ranked by cum_logprob / len ** length_penalty, len counting the prompt and
+not a final EOS (`beam_score`), and the best come back.
 
 A ready beam that the scheduler must preempt (blocks or sequence slots run out) leaves the
 scheduler with its candidates kept; its children then start as waiting requests and
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pagoda.gpu_worker.core.outputs import TokenLogprobs
+from pagoda.gpu_worker.core.stop import STOP_TOKEN
 
 
 @dataclass
@@ -94,14 +96,15 @@ def candidates(beam_lps: Sequence[tuple[float, int, TokenLogprobs]]) -> list[Can
     return out
 
 
-def select(cands: list[Candidate], width: int, eos_ids: Sequence[int], ignore_eos: bool
-           ) -> tuple[list[Candidate], list[Candidate]]:
-    """(running: the best `width` non-EOS candidates, best first; complete: every EOS one)."""
-    done = [c for c in cands if not ignore_eos and c.token in eos_ids]
-    run = [c for c in cands if ignore_eos or c.token not in eos_ids]
+def select(cands: list[Candidate], flags: Sequence[int], width: int
+           ) -> tuple[list[tuple[Candidate, int]], list[Candidate]]:
+    """(running: the best `width` candidates no stop token ends, best first, with their flags;
+    complete: every one a stop token ends). flags[i]: cands[i]'s finish flags (core/stop.py)."""
+    done = [c for c, f in zip(cands, flags) if f & STOP_TOKEN]
+    run = [(c, f) for c, f in zip(cands, flags) if not f & STOP_TOKEN]
     # Beams of one group have equal lengths, so ranking by score is ranking by cum_logprob;
     # sorted() is stable, so ties keep candidate order.
-    run.sort(key=lambda c: c.cum_logprob, reverse=True)
+    run.sort(key=lambda cf: cf[0].cum_logprob, reverse=True)
     return run[:width], done
 
 
@@ -118,7 +121,7 @@ class BeamGroup:
     width: int
     n: int
     max_tokens: int
-    ignore_eos: bool
+    stop_ids: list[int]              # the tokens that end a beam: EOS, unless ignore_eos
     length_penalty: float
     beams: list = field(default_factory=list)          # live pagoda.gpu_worker.core.request.Request
     cum: dict[str, float] = field(default_factory=dict)    # req_id -> cum_logprob
@@ -129,13 +132,14 @@ class BeamGroup:
     # Test and bench hook: the most blocks any two beams of the group shared at once.
     max_shared_blocks: int = 0
 
-    def finish_beam(self, tokens: list[int], cum: float, eos_ids: Sequence[int]) -> None:
+    def finish_beam(self, tokens: list[int], cum: float, eos_ids: Sequence[int], stopped: bool) -> None:
+        """A complete beam; stopped: a stop token ended it (else length did)."""
         out = tokens[len(self.prompt_token_ids):]
         # As vLLM: a final EOS is not counted in the length even under ignore_eos.
         eos = bool(out) and out[-1] in eos_ids
         self.completed.append(BeamSearchSequence(
             list(tokens), out, cum, beam_score(len(tokens), eos, cum, self.length_penalty),
-            finish_reason="stop" if eos and not self.ignore_eos else "length"))
+            finish_reason="stop" if stopped else "length"))
 
     def best(self) -> list[BeamSearchSequence]:
         return rank(self.completed)[:self.n]

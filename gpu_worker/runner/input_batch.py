@@ -25,16 +25,13 @@ import torch
 
 from pagoda.gpu_worker.core.outputs import NewRequest, ScheduledRequest, SchedulerOutput
 from pagoda.gpu_worker.core.sampling_params import MAX_STOP_STRINGS
+from pagoda.gpu_worker.core.stop import check_stop_batch, stop_token_ids
 from pagoda.gpu_worker.models.attention import AttentionMetadata
 from pagoda.gpu_worker.runner.sampler import SamplingBatch
 
 # Columns of the per-row float parameter table; gathered and copied in one piece per step.
 TEMPERATURE, TOP_P, TOP_K, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(7)
 NUM_PARAMS = 7
-
-# Bits of finish_flags: what a sampled token ends. The engine still decides stop strings.
-STOP_TOKEN = 1      # a stop id (or EOS unless ignored) with min_tokens already reached
-LENGTH = 2          # max_tokens reached, or max_model_len
 
 
 @dataclass
@@ -196,7 +193,7 @@ class InputBatch:
                             p.presence_penalty, p.frequency_penalty)
         self.min_tokens[row], self.max_tokens[row] = p.min_tokens, p.max_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
-        stops = list(dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos)))
+        stops = stop_token_ids(p.stop_token_ids, p.ignore_eos, self.eos)
         self.stop_ids[row] = -1
         self.stop_ids[row, :len(stops)] = stops
         if new.generator is not None and p.temperature != 0.0:
@@ -348,9 +345,9 @@ class InputBatch:
         return positions
 
     def fill_sampled(self, req_ids: list[str], positions: np.ndarray, tokens: list[int]) -> np.ndarray:
-        """A step's tokens land at their placeholders; returns finish_flags per token (STOP_TOKEN,
-        LENGTH), the stop-token and length checks for the whole batch at once. A request whose
-        row has left meanwhile (it ended) gets 0: its token is dropped."""
+        """A step's tokens land at their placeholders; returns finish_flags per token (core/stop.py:
+        STOP_TOKEN, LENGTH), the stop-token and length checks for the whole batch at once. A
+        request whose row has left meanwhile (it ended) gets 0: its token is dropped."""
         row_of = self.row_of
         rows = np.fromiter((row_of.get(r, -1) for r in req_ids), np.int64, len(req_ids))
         flags = np.zeros(len(req_ids), np.int64)
@@ -362,10 +359,8 @@ class InputBatch:
         landed = self.pending_pos[rows] == positions
         self.pending_src[rows[landed]] = -1
         num_tokens = positions + 1
-        out_len = num_tokens - self.num_prompt[rows]
-        hit = (self.stop_ids[rows] == sampled[:, None]).any(axis=1) & (out_len >= self.min_tokens[rows])
-        long = (out_len >= self.max_tokens[rows]) | (num_tokens >= self.max_len)
-        flags[live] = hit * STOP_TOKEN | long * LENGTH
+        flags[live] = check_stop_batch(sampled, num_tokens, num_tokens - self.num_prompt[rows], self.stop_ids[rows],
+                                       self.min_tokens[rows], self.max_tokens[rows], self.max_len)
         return flags
 
     def fill_speculated(self, req_ids: list[str], emitted: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -381,10 +376,8 @@ class InputBatch:
             first = int(self.num_tokens[row])
             t = np.asarray(toks, np.int64)
             num_tokens = first + 1 + np.arange(len(t))
-            out_len = num_tokens - self.num_prompt[row]
-            hit = (self.stop_ids[row][None, :] == t[:, None]).any(axis=1) & (out_len >= self.min_tokens[row])
-            long = (out_len >= self.max_tokens[row]) | (num_tokens >= self.max_len)
-            f = hit * STOP_TOKEN | long * LENGTH
+            f = check_stop_batch(t, num_tokens, num_tokens - self.num_prompt[row], self.stop_ids[row][None, :],
+                                 self.min_tokens[row], self.max_tokens[row], self.max_len)
             ends = np.flatnonzero(f)
             m = int(ends[0]) + 1 if len(ends) else len(t)
             self.token_ids[row, first:first + m] = t[:m]
