@@ -100,17 +100,32 @@ def _groups(tables: np.ndarray, lens: np.ndarray, starts: np.ndarray, bs: int) -
     return groups
 
 
+@dataclass(frozen=True)
+class GemmJobs:
+    """gemm_attention_cpu.c's jobs, one array per argument of the kernel (per job j unless said)."""
+    rep: np.ndarray          # int32: the sequence whose block table holds the job's keys
+    klo: np.ndarray          # int32: its first key
+    keys: np.ndarray         # int32: its keys, [klo, klo + keys)
+    tok_off: np.ndarray      # int32 [jobs + 1]: its query tokens are toks[tok_off[j]:tok_off[j + 1]]
+    pos0: np.ndarray         # int32: position of its first query token (causal), -1: a shared prefix
+    mode: np.ndarray         # int32: what becomes of its result (TO_PARTIALS, FINAL, FINAL_MERGED)
+    toks: np.ndarray         # int32 [query tokens]: the token rows of every job, job after job
+    pack_off: np.ndarray     # int64 [jobs + 1]: where its packed keys start in the scratch space
+    items: np.ndarray        # int64: work items (job << 32 | chunk << 16 | KV head)
+    n_first: int             # items of the shared-prefix jobs, which run first
+
+
 @dataclass
 class _Plan:
     """One step's work for a layer shape, the same in every layer (kept in the step's memo)."""
     items: np.ndarray                   # paged_attention_cpu.c's items
     heads_per_item: int
     prefix: np.ndarray | None           # per sequence: its keys attended as a shared prefix
-    jobs: tuple | None                  # gemm_attention_cpu.c's arrays (_jobs)
+    jobs: GemmJobs | None               # gemm_attention_cpu.c's work, when it has any
 
 
 def _jobs(groups: list[tuple[np.ndarray, int]], own: np.ndarray, prefix: np.ndarray, lens: np.ndarray,
-          starts: np.ndarray, hq: int, hkv: int, d: int) -> tuple:
+          starts: np.ndarray, hq: int, hkv: int, d: int) -> GemmJobs:
     """gemm_attention_cpu.c's jobs: the groups' shared prefixes, then the own keys of the
     sequences in `own` (prefill chunks), with their items (shared jobs' first)."""
     q_lens = np.diff(starts)
@@ -133,8 +148,9 @@ def _jobs(groups: list[tuple[np.ndarray, int]], own: np.ndarray, prefix: np.ndar
     items = ((job[:, None] << 32) | (chunk[:, None] << 16) | np.arange(hkv, dtype=np.int64)[None, :]).reshape(-1)
     n_first = int((job < len(groups)).sum()) * hkv
     i32 = np.int32
-    return (np.array(rep, i32), np.array(klo, i32), np.array(keys, i32), tok_off, np.array(pos0, i32),
-            np.array(mode, i32), np.concatenate(toks).astype(i32), pack_off, items, n_first)
+    return GemmJobs(rep=np.array(rep, i32), klo=np.array(klo, i32), keys=np.array(keys, i32), tok_off=tok_off,
+                    pos0=np.array(pos0, i32), mode=np.array(mode, i32), toks=np.concatenate(toks).astype(i32),
+                    pack_off=pack_off, items=items, n_first=n_first)
 
 
 def _plan(tables: torch.Tensor, lens: np.ndarray, starts: np.ndarray, bs: int, hq: int, hkv: int, d: int,
@@ -214,19 +230,20 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert lib is not None      # supports() checked it
     part_o = part_ml = 0
     if plan.jobs is not None:
-        rep, klo, keys, tok_off, pos0, mode, toks, pack_off, items, n_first = plan.jobs
+        jobs = plan.jobs
         work = lib.gemm_attention_work_floats(d)
         t = q.shape[0] if plan.prefix is not None else 0
-        space = _scratch_floats(int(pack_off[-1]) + threads * work + t * hq * (d + 2))
-        part_o = space.data_ptr() + 4 * (int(pack_off[-1]) + threads * work)
+        packed = int(jobs.pack_off[-1])
+        space = _scratch_floats(packed + threads * work + t * hq * (d + 2))
+        part_o = space.data_ptr() + 4 * (packed + threads * work)
         part_ml = part_o + 4 * t * hq * d
         rc = lib.gemm_attention_cpu(
             q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
             k_cache.data_ptr(), *k_cache.stride()[:3], v_cache.data_ptr(), *v_cache.stride()[:3],
-            tables.data_ptr(), tables.stride(0), hq, hkv, d, bs, float(scale), len(rep), rep.ctypes.data,
-            klo.ctypes.data, keys.ctypes.data, tok_off.ctypes.data, pos0.ctypes.data, mode.ctypes.data,
-            toks.ctypes.data, pack_off.ctypes.data, part_o, part_ml, space.data_ptr(), work, items.ctypes.data,
-            n_first, len(items), threads)
+            tables.data_ptr(), tables.stride(0), hq, hkv, d, bs, float(scale), len(jobs.rep), jobs.rep.ctypes.data,
+            jobs.klo.ctypes.data, jobs.keys.ctypes.data, jobs.tok_off.ctypes.data, jobs.pos0.ctypes.data,
+            jobs.mode.ctypes.data, jobs.toks.ctypes.data, jobs.pack_off.ctypes.data, part_o, part_ml,
+            space.data_ptr(), work, jobs.items.ctypes.data, jobs.n_first, len(jobs.items), threads)
         if rc:
             raise RuntimeError(f"gemm_attention_cpu: kernel refused the shapes (code {rc})")
     if len(plan.items):

@@ -143,7 +143,7 @@ def shared_lens(plan):
     """The keys each cascade group shares (its job's key count)."""
     if plan.jobs is None:
         return []
-    mode, keys = plan.jobs[5], plan.jobs[2]
+    mode, keys = plan.jobs.mode, plan.jobs.keys
     return keys[mode == cpu_attention.TO_PARTIALS].tolist()
 
 
@@ -184,7 +184,7 @@ def test_cascade_group_of_many_rows_splits_into_items():
     b = shared_batch([1] * 60, [100 + 3 * i for i in range(60)], 8, 2, 32, 16, [(list(range(60)), 6)])
     memo: dict = {}
     out = paged_attention_cpu(**b, memo=memo)
-    items = plan_of(memo).jobs[8]
+    items = plan_of(memo).jobs.items
     assert len(items) == 2 * -(-240 // cpu_lib.GEMM_ATTENTION_ROWS)
     torch.testing.assert_close(out, paged_attention_ref(**b), rtol=1e-5, atol=1e-5)
 
@@ -260,7 +260,7 @@ def test_long_prefill_chunks_as_matrix_products(hq, hkv, d, bs):
     memo: dict = {}
     out = paged_attention_cpu(**b, out=torch.full_like(b["q"], float("nan")), memo=memo)
     plan = plan_of(memo)
-    assert plan.jobs[0].tolist() == [0, 1, 4]                  # the chunks of 16 tokens or more
+    assert plan.jobs.rep.tolist() == [0, 1, 4]                  # the chunks of 16 tokens or more
     assert sorted({int(i) >> 32 for i in plan.items}) == [2, 3]  # the rest, one sequence at a time
     assert not out.isnan().any()
     torch.testing.assert_close(out, paged_attention_ref(**b), rtol=1e-5, atol=1e-5)
