@@ -54,6 +54,9 @@ class SimStats:
     num_steps: int = 0
     step_seconds: float = 0.0
     max_num_batched_tokens: int = 0
+    host_blocks: int = 0                # no host tier
+    kv_copied_blocks: int = 0
+    kv_copy_seconds: float = 0.0
 
 
 class SimWorker:
@@ -105,6 +108,20 @@ class SimWorker:
 
     def cached_block_hashes(self) -> list[bytes]:
         return list(self.ref) + list(self.lru)
+
+    # The rest of what a publisher reads (serving/engine_client.py's EngineReport): no host
+    # tier, no adapters.
+    def take_host_kv_events(self) -> list[tuple[str, bytes]]:
+        return []
+
+    def cached_hashes_by_tier(self) -> tuple[list[bytes], list[bytes]]:
+        return self.cached_block_hashes(), []
+
+    def lora_adapters(self) -> list[str]:
+        return []
+
+    def lora_resident(self) -> list[str]:
+        return []
 
     # ---- engine loop ------------------------------------------------------------------
     def add(self, req: SimRequest) -> None:

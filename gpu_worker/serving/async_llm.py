@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, AsyncGenerator, Callable, Optional, Union
 
 from pagoda.gpu_worker.core.config import EngineConfig
 from pagoda.gpu_worker.core.outputs import EngineStats, StreamDelta
@@ -25,6 +25,7 @@ from pagoda.gpu_worker.core.sampling_params import SamplingParams
 from pagoda.gpu_worker.engine.llm_engine import LLMEngine
 from pagoda.gpu_worker.features.lora import load_peft_adapter
 from pagoda.gpu_worker.serving.coalesce import Coalescer
+from pagoda.gpu_worker.serving.engine_client import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +81,18 @@ Command = Union[AddCommand, AbortCommand, StopCommand, CallCommand]
 
 
 class AsyncLLM:
+    """The engine the worker serves (serving/engine_client.py's EngineClient)."""
+
     def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config)
+        self.engine = e = LLMEngine(config)
         self.config = config
-        for name in ("tokenizer", "model_name", "vocab_size", "max_model_len", "block_size",
-                     "num_blocks", "eos_token_ids"):
-            setattr(self, name, getattr(self.engine, name))
+        # Fixed for the engine's life: read here, never from the engine thread's state later.
+        self.tokenizer, self.model_name, self.vocab_size = e.tokenizer, e.model_name, e.vocab_size
+        self.max_model_len, self.block_size, self.num_blocks = e.max_model_len, e.block_size, e.num_blocks
+        self.eos_token_ids = e.eos_token_ids
+        runner = e.runner
+        self.loaded = LoadedModel(str(runner.device), str(runner.dtype).replace("torch.", ""), runner.weight_bytes,
+                                  runner.quant.method if runner.quant is not None else "none")
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         # Adds sent (written by the event loop) and adds applied (written by the engine thread):
@@ -104,9 +111,8 @@ class AsyncLLM:
         self._lora_adapters: tuple[str, ...] = tuple(self.engine.lora_adapters())
         self._lora_resident: tuple[str, ...] = ()
         self.fatal: BaseException | None = None   # set when the engine can never step again
-        tp = getattr(self.engine.runner, "tp", None)
-        if tp is not None:
-            tp.on_failure(self._die)
+        if runner.tp is not None:
+            runner.tp.on_failure(self._die)
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
 
@@ -114,7 +120,7 @@ class AsyncLLM:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str = "", adapter: str = ""
-                       ) -> AsyncIterator[StreamDelta]:
+                       ) -> AsyncGenerator[StreamDelta, None]:
         if self._closed:
             raise RuntimeError("AsyncLLM is shut down")
         if request_id in self._streams:

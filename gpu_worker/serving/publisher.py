@@ -25,6 +25,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from pagoda.gpu_worker.serving.engine_client import EngineReport
 from pagoda.gpu_worker.serving.step_rates import StepRates
 from pagoda.protos import redis_schema as rs
 
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class Publisher:
-    def __init__(self, redis_url: str, worker_id: str, model: str, address: str, engine,
+    def __init__(self, redis_url: str, worker_id: str, model: str, address: str, engine: EngineReport,
                  heartbeat_s: float = 0.5, snapshot_s: float = 5.0, lease_ttl_s: float = 3.0,
                  poll_s: float = 0.02, max_pending_events: int = 200_000,
                  stream_maxlen: int = rs.STREAM_MAXLEN, name: str = "", load_interval_s: float = 0.05,
@@ -114,9 +115,7 @@ class Publisher:
 
     def _drain(self) -> None:
         self.pending.extend(self.engine.take_kv_events())
-        take_host = getattr(self.engine, "take_host_kv_events", None)    # test stand-ins have none
-        if take_host is not None:
-            self.pending_host.extend(take_host())
+        self.pending_host.extend(self.engine.take_host_kv_events())
         if len(self.pending) + len(self.pending_host) > self.max_pending:
             log.warning("publisher: dropping %d unpublished block events", len(self.pending) + len(self.pending_host))
             self.pending.clear()
@@ -167,30 +166,25 @@ class Publisher:
 
     def _lease(self, st) -> rs.Lease:
         self._published_load = (st.running, st.waiting)
-        # Engines that keep no step counters (test stand-ins) report the prior.
-        self.rates.observe(*(getattr(st, f, 0) for f in ("num_steps", "step_seconds", "prompt_tokens",
-                                                          "generation_tokens")))
+        self.rates.observe(st.num_steps, st.step_seconds, st.prompt_tokens, st.generation_tokens)
         return rs.Lease(worker_id=self.worker_id, model=self.model, address=self.address,
                         epoch=self.epoch, block_size=self.engine.block_size, num_blocks=st.num_blocks,
                         running=st.running, waiting=st.waiting,
                         queued_prefill_tokens=st.queued_prefill_tokens, kv_usage=st.kv_usage,
                         free_blocks=st.free_blocks, seq=self.seq, ts=time.time(),
                         prefill_tps=self.rates.prefill_tps, decode_tps=self.rates.decode_tps,
-                        step_s=self.rates.step_s, max_batched_tokens=getattr(st, "max_num_batched_tokens", 0),
+                        step_s=self.rates.step_s, max_batched_tokens=st.max_num_batched_tokens,
                         name=self.name, tokenizer_digest=self.tokenizer_digest, **self._adapters(),
-                        host_blocks=getattr(st, "host_blocks", 0), kv_copy_tps=self._copy_tps(st))
+                        host_blocks=st.host_blocks, kv_copy_tps=self._copy_tps(st))
 
     def _copy_tps(self, st) -> float:
         """Tokens per second of KV copies between the tiers, as measured so far (0: none yet)."""
-        seconds = getattr(st, "kv_copy_seconds", 0.0)
-        return min(getattr(st, "kv_copied_blocks", 0) * self.engine.block_size / seconds, 1e12) if seconds > 0 else 0.0
+        seconds = st.kv_copy_seconds
+        return min(st.kv_copied_blocks * self.engine.block_size / seconds, 1e12) if seconds > 0 else 0.0
 
     def _adapters(self) -> dict:
-        """The engine's LoRA adapters, bounded as the schema bounds them (test stand-ins have none)."""
-        names = getattr(self.engine, "lora_adapters", None)
-        if names is None:
-            return {}
-        loaded = names()[:rs.MAX_LORA_ADAPTERS]
+        """The engine's LoRA adapters, bounded as the schema bounds them."""
+        loaded = self.engine.lora_adapters()[:rs.MAX_LORA_ADAPTERS]
         resident = set(self.engine.lora_resident())
         return dict(lora_adapters=loaded, lora_resident=[n for n in loaded if n in resident])
 
@@ -198,9 +192,8 @@ class Publisher:
         key, ttl = rs.snapshot_key(self.worker_id), int(max(self.lease_ttl_s, 3 * self.snapshot_s) * 1000)
         if self.pending or self.pending_host:   # snapshot only once every drained event is in the stream
             return
-        by_tier = getattr(self.engine, "cached_hashes_by_tier", None)
-        if not getattr(self.engine.stats(), "host_blocks", 0):
-            by_tier = None          # no host tier: the device snapshot alone, as before
+        # No host tier: the device snapshot alone, as before.
+        by_tier = self.engine.cached_hashes_by_tier if self.engine.stats().host_blocks else None
         host_key = rs.host_snapshot_key(self.worker_id)
         if not self.need_snapshot and self.snapshot_seq == self.seq and await self._redis.pexpire(key, ttl):
             if by_tier is not None:

@@ -15,7 +15,7 @@ import math
 import signal
 import time
 import uuid
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,6 +27,7 @@ from pagoda.gpu_worker.features.structured_output import GrammarCompiler, spec_f
 from pagoda.gpu_worker.runner.distributed import RankFailure
 from pagoda.gpu_worker.serving import args as worker_args
 from pagoda.gpu_worker.serving.async_llm import AsyncLLM, QueueFullError
+from pagoda.gpu_worker.serving.engine_client import EngineClient
 from pagoda.gpu_worker.serving.metrics import WorkerMetrics
 from pagoda.protos import redis_schema as rs
 from pagoda.protos.limits import Limits, check_fits, check_request
@@ -46,6 +47,9 @@ from pagoda.runtime.security import (
 )
 from pagoda.runtime.serving import StartupError, StopDeadline, at_stage, bind, check_port_free, server_options
 from pagoda.runtime.tokenization import PromptTokenizer, encode_prompt
+
+if TYPE_CHECKING:       # imported when a publisher starts: redis may be missing
+    from pagoda.gpu_worker.serving.publisher import Publisher
 
 log = logging.getLogger("pagoda.gpu_worker.serving.server")
 
@@ -79,7 +83,7 @@ class _NotFound(Exception):
 
 
 class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
-    def __init__(self, engine, worker_id: str, metrics=None,
+    def __init__(self, engine: EngineClient, worker_id: str, metrics=None,
                  health_servicer: Optional[health.aio.HealthServicer] = None, on_drain=None,
                  limits: Limits = Limits(), keyring: Optional[KeyRing] = None):
         self.engine, self.worker_id, self.limits = engine, worker_id, limits
@@ -291,13 +295,13 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
 class Worker:
     """Everything one `python -m gpu_worker` process runs, start to graceful stop."""
 
-    def __init__(self, args, engine=None):
+    def __init__(self, args, engine: Optional[EngineClient] = None):
         self.args, self.engine = args, engine
         self.server: Optional[grpc.aio.Server] = None
         self.service: Optional[WorkerService] = None
-        self.metrics = None
-        self.publisher = None
-        self.port = None
+        self.metrics: Optional[WorkerMetrics] = None
+        self.publisher: Optional[Publisher] = None
+        self.port: Optional[int] = None
         self.keyring: Optional[KeyRing] = None
         self.stopped = asyncio.Event()
 
@@ -334,27 +338,24 @@ class Worker:
         if a.redis_url:
             await self._start_publisher(a)
 
-    def _log_startup(self, engine) -> None:
-        inner = getattr(engine, "engine", engine)
-        runner = getattr(inner, "runner", None)
-        device = getattr(runner, "device", self.args.device)
-        dtype = str(getattr(runner, "dtype", self.args.dtype)).replace("torch.", "")
+    def _log_startup(self, engine: EngineClient) -> None:
+        m = engine.loaded
         capacity = engine.num_blocks * engine.block_size
-        quant = getattr(runner, "quant", None)
         log.info("pagoda worker %s serving model=%s device=%s dtype=%s weights=%.3fGiB quantization=%s "
                  "blocks=%d token_capacity=%d max_concurrency@max_model_len(%d)=%.2f listening on %s:%d",
-                 self.worker_id, engine.model_name, device, dtype, getattr(runner, "weight_bytes", 0) / 2**30,
-                 quant.method if quant is not None else "none", engine.num_blocks, capacity,
-                 engine.max_model_len, capacity / engine.max_model_len, self.args.host, self.port)
+                 self.worker_id, engine.model_name, m.device, m.dtype, m.weight_bytes / 2**30, m.quantization,
+                 engine.num_blocks, capacity, engine.max_model_len, capacity / engine.max_model_len,
+                 self.args.host, self.port)
 
     async def _start_publisher(self, a) -> None:
+        # Started just before the publisher.
+        assert self.engine is not None and self.service is not None and self.port is not None
         try:
             from pagoda.gpu_worker.serving.publisher import Publisher  # lazy: redis may be missing; serve without it
         except ImportError as e:    # the publisher is optional: serving must not depend on Redis
             log.warning("redis publisher unavailable (%s); serving without it", e)
             return
         address = a.advertise_address or worker_args.advertise_address(_with_port(a, self.port))
-        assert self.service is not None          # started just before the publisher
         self.publisher = Publisher(a.redis_url, self.worker_id, self.engine.model_name, address, self.engine,
                                    heartbeat_s=a.heartbeat_interval, snapshot_s=a.snapshot_interval,
                                    name=worker_args.worker_name(a, self.port), epoch=self.service.epoch,
@@ -370,6 +371,7 @@ class Worker:
     async def shutdown(self, grace: float, deadline: Optional[StopDeadline] = None) -> None:
         """Stop admissions, let open streams finish for up to `grace` seconds, then stop."""
         assert self.service is not None and self.server is not None, "start() first"
+        assert self.engine is not None
         at_stage(deadline, "draining")
         await self.service.start_drain()
         finished = await self.service.wait_idle(grace)
@@ -419,8 +421,9 @@ async def serve(args) -> int:
         loop.add_signal_handler(sig, stopping.set)
     if worker.keyring is not None:
         loop.add_signal_handler(signal.SIGHUP, worker.keyring.reload)
+    assert worker.engine is not None        # start() made it
     while not stopping.is_set():
-        fatal = getattr(worker.engine, "fatal", None)
+        fatal = worker.engine.fatal
         if fatal is not None:
             log.error("engine failed, stopping: %s", fatal)
             await worker.fail()

@@ -50,7 +50,8 @@ def word_tokenizer_json() -> str:
 
 
 class FakeEngine:
-    """A prefix cache of `num_blocks` blocks (LRU) with the engine's publisher-facing methods."""
+    """A prefix cache of `num_blocks` blocks (LRU) with the engine's publisher-facing methods
+    (pagoda.gpu_worker.serving.engine_client.EngineReport): no host tier, no adapters."""
 
     def __init__(self, model: str, block_size: int = 16, num_blocks: int = 4096):
         self.model_name, self.block_size, self.num_blocks = model, block_size, num_blocks
@@ -86,11 +87,26 @@ class FakeEngine:
         with self.lock:
             return list(self.cache)
 
+    def take_host_kv_events(self):
+        return []
+
+    def cached_hashes_by_tier(self):
+        return self.cached_block_hashes(), []
+
+    def lora_adapters(self):
+        return []
+
+    def lora_resident(self):
+        return []
+
     def stats(self):
+        """The EngineStats fields a publisher reads (that module imports torch; this one must not)."""
         used = min(self.running * 4, self.num_blocks)
         return SimpleNamespace(running=self.running, waiting=0, queued_prefill_tokens=self.queued,
                                num_blocks=self.num_blocks, free_blocks=self.num_blocks - used,
-                               kv_usage=used / self.num_blocks)
+                               kv_usage=used / self.num_blocks, num_steps=0, step_seconds=0.0, prompt_tokens=0,
+                               generation_tokens=0, max_num_batched_tokens=0, host_blocks=0, kv_copied_blocks=0,
+                               kv_copy_seconds=0.0)
 
 
 def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_json: str,
