@@ -1,5 +1,4 @@
-"""Speculative decoding's draft model: a small model of the target's tokenizer that proposes
-k tokens per speculating row, run by the target's runner before the target's forward.
+"""Speculative decoding's draft model, run by the target's runner before the target's forward.
 
 The draft model's KV lives in its own pool with the target's block ids (same block size, so
 the target's block tables and slot mappings serve it): a request's blocks hold both models'
