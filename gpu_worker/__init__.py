@@ -1,6 +1,6 @@
 """One GPU worker: paged-KV continuous-batching engine, model runner, models and gRPC server.
 
-Offline use: `from gpu_worker import LLM, SamplingParams`.
+Offline use: `from pagoda.gpu_worker import LLM, SamplingParams`.
 """
 import os
 import sys

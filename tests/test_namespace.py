@@ -101,3 +101,25 @@ def test_no_bench_script_shadows_an_installed_package():
     for folder in (ROOT / "bench", ROOT / "bench" / "sim"):
         clash = {p.name: installed[p.stem] for p in folder.glob("*.py") if p.stem in installed}
         assert not clash, f"{folder.relative_to(ROOT)}: {clash} shadow installed packages; rename them"
+
+
+def test_nothing_imports_or_runs_a_part_by_its_bare_name():
+    """Code, code in strings, docs and scripts say pagoda.<part>: a bare `from kernels import ...`
+    finds Hugging Face's package, and a bare `import gpu_worker` from the repo root a second copy."""
+    import re
+    # an import statement (a line's start, or after ; or an opening quote/backtick) or `-m part`
+    bare = re.compile(r"(?:(?:^|[;\"'`]\s*)(?:from|import)\s+|-m\s+|\"-m\",\s*\")"
+                      r"(protos|runtime|kernels|gpu_worker|router|clients)\b(?!-)")
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    found = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix not in (".py", ".sh", ".md", ".toml", ".yaml", ".tpl") and "Dockerfile" not in name and \
+                not name.startswith(".ci/"):
+            continue
+        if path.is_symlink() or name == "tests/test_namespace.py":   # this file imports HF's kernels on purpose
+            continue
+        for no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if bare.search(line):
+                found.append(f"{name}:{no}: {line.strip()}")
+    assert not found, "bare part names (say pagoda.<part>):\n" + "\n".join(found[:20])

@@ -1,4 +1,4 @@
-"""Command-line flags of `python -m gpu_worker` (and `pagoda worker`).
+"""Command-line flags of `python -m pagoda.gpu_worker` (and `pagoda worker`).
 
 Kept free of torch and of the engine (config.py imports neither) so that `--help` is instant
 and the CLI can share it.

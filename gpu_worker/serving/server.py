@@ -293,7 +293,7 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
 
 
 class Worker:
-    """Everything one `python -m gpu_worker` process runs, start to graceful stop."""
+    """Everything one `python -m pagoda.gpu_worker` process runs, start to graceful stop."""
 
     def __init__(self, args, engine: Optional[EngineClient] = None):
         self.args, self.engine = args, engine
