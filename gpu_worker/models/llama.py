@@ -13,6 +13,7 @@ activation dtype) so that the CPU fp32 path reproduces it.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -258,4 +259,8 @@ class LlamaForCausalLM(nn.Module):
         return parallel_logits(hidden, weight, self.shard)
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.layers]
+        return [layer.self_attn.attn for layer in self.decoder_layers()]
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        # nn.ModuleList yields Modules to a type checker; these are the DecoderLayers built above.
+        return cast(list[DecoderLayer], list(self.layers))
