@@ -110,6 +110,12 @@ class Lease:
     # them already in a device slot (no load before the first step).
     lora_adapters: list[str] = field(default_factory=list)
     lora_resident: list[str] = field(default_factory=list)
+    # Where each of lora_adapters was read from, in its order ("" where unknown or longer than
+    # MAX_ADAPTER_NAME): what /v1/models shows as the adapter's root, and what makes a repeated
+    # load of the same name and path a no-op. And the worker's adapter slots (--max-loras):
+    # 0 means it runs without --enable-lora, so the router never sends it a load.
+    lora_paths: list[str] = field(default_factory=list)
+    max_loras: int = 0
     # Host KV tier (0 blocks: none): its size, and the rate the worker measured of copying KV
     # between the tiers, in tokens per second (0 = not known; routers assume a default).
     host_blocks: int = 0
@@ -151,7 +157,7 @@ class Lease:
 # Speed figures feed the router's arithmetic directly: out-of-range values are refused, not used.
 _LEASE_BOUNDS = {"prefill_tps": (0.0, 1e9), "decode_tps": (0.0, 1e9), "step_s": (0.0, 60.0),
                  "max_batched_tokens": (0, 1 << 24), "host_blocks": (0, 1 << 32), "kv_copy_tps": (0.0, 1e12)}
-MAX_LEASE_BYTES = 48 << 10
+MAX_LEASE_BYTES = 64 << 10         # room for three full adapter lists (names, resident, paths)
 MAX_TEXT = 512                      # worker ids, model names, addresses
 MAX_LORA_ADAPTERS = 64              # names in each of a lease's adapter lists
 MAX_ADAPTER_NAME = 256              # as pagoda.protos.limits' max_id_bytes
@@ -161,7 +167,12 @@ _MAX_INT = (1 << 63) - 1
 def _checked(name: str, value, kind: str):
     """One field against its annotated type: str (bounded), int (non-negative, not a bool)
     or float (finite, non-negative)."""
-    if kind == "list[str]":
+    if name == "lora_paths":
+        if not isinstance(value, list) or len(value) > MAX_LORA_ADAPTERS or not all(
+                isinstance(v, str) and len(v) <= MAX_ADAPTER_NAME for v in value):
+            raise ValueError(f"{name} must be a list of at most {MAX_LORA_ADAPTERS} paths of at most "
+                             f"{MAX_ADAPTER_NAME} characters")
+    elif kind == "list[str]":
         if not isinstance(value, list) or len(value) > MAX_LORA_ADAPTERS or not all(
                 isinstance(v, str) and 0 < len(v) <= MAX_ADAPTER_NAME for v in value):
             raise ValueError(f"{name} must be a list of at most {MAX_LORA_ADAPTERS} names of 1 to "

@@ -48,6 +48,7 @@ class Cluster:
         # scan of them all was a tenth of a decision.
         self._by_model: dict[str, list[WorkerState]] | None = None
         self._adapters: dict[str, str] = {}
+        self._adapter_paths: dict[str, str] = {}
         self._by_adapter: dict[tuple[str, str], list[WorkerState]] = {}
         self.version = 0
         self.cursors: dict[str, str] = {}        # model -> last stream id read
@@ -82,6 +83,11 @@ class Cluster:
         self._grouped()
         return self._adapters
 
+    def adapter_path(self, adapter: str) -> str:
+        """Where a worker read `adapter` from, as its lease says ("" when none says)."""
+        self._grouped()
+        return self._adapter_paths.get(adapter, "")
+
     def adapter_workers(self, model: str, adapter: str) -> list[WorkerState]:
         """The model's live workers that serve `adapter`."""
         key = (model, adapter)
@@ -94,13 +100,17 @@ class Cluster:
         if self._by_model is None:
             groups: dict[str, list[WorkerState]] = {}
             adapters: dict[str, str] = {}
+            self._adapter_paths = {}
             for w in self.workers.values():
                 groups.setdefault(w.lease.model, []).append(w)
             self._by_model = dict(sorted(groups.items()))
             for model, ws in self._by_model.items():
                 for w in ws:
-                    for name in w.lease.lora_adapters:
+                    paths = w.lease.lora_paths
+                    for i, name in enumerate(w.lease.lora_adapters):
                         adapters.setdefault(name, model)
+                        if i < len(paths) and paths[i]:
+                            self._adapter_paths.setdefault(name, paths[i])
             self._adapters = dict(sorted(adapters.items()))
             self._by_adapter = {}
         return self._by_model
@@ -109,16 +119,21 @@ class Cluster:
         self._by_model = None
         self.version += 1
 
-    def adapters_changed(self, w: WorkerState, names: list[str]) -> None:
-        """A worker's adapters as it just answered a load or unload (ahead of its next lease)."""
+    def adapters_changed(self, w: WorkerState, names: list[str], loaded: tuple[str, str] | None = None) -> None:
+        """A worker's adapters as it just answered a load (`loaded`: its name and path) or an
+        unload, ahead of its next lease."""
+        paths = dict(zip(w.lease.lora_adapters, w.lease.lora_paths))
+        if loaded is not None:
+            paths[loaded[0]] = loaded[1]
         w.lease.lora_adapters = list(names)
+        w.lease.lora_paths = [paths.get(n, "") for n in names]
         self._membership_changed()
 
     def _report(self, w: WorkerState, lease: rs.Lease) -> None:
         before = w.lease
         w.on_heartbeat(lease)
-        if (w.lease.model, w.lease.tokenizer_digest, w.lease.lora_adapters) != \
-                (before.model, before.tokenizer_digest, before.lora_adapters):
+        if (w.lease.model, w.lease.tokenizer_digest, w.lease.lora_adapters, w.lease.lora_paths) != \
+                (before.model, before.tokenizer_digest, before.lora_adapters, before.lora_paths):
             self._membership_changed()
 
     def healthy(self, stale_after_s: float = 5.0) -> bool:

@@ -398,7 +398,7 @@ def test_router_serves_adapters_by_name_and_loads_them_over_http(redis_server, s
 
         # b loaded on both over HTTP; the answer lists it at once.
         status, text = _http(base + "/load_lora_adapter", {"lora_name": "b", "lora_path": adapters["b"]})
-        assert (status, text) == (200, "Success: LoRA adapter 'b' added successfully.")
+        assert (status, text) == (200, "Success: LoRA adapter 'b' added successfully on wa, wb.")
         assert models()["b"] == model
         assert ask(0, "b")[0] == references["b"][0]
         status, text = _http(base + "/completions", {"model": "b", "prompt": PROMPTS[1], "max_tokens": 12,
@@ -414,12 +414,61 @@ def test_router_serves_adapters_by_name_and_loads_them_over_http(redis_server, s
         assert status == 400 and json.loads(text)["error"]["param"] == "lora_name"
 
         status, text = _http(base + "/unload_lora_adapter", {"lora_name": "a"})
-        assert (status, text) == (200, "Success: LoRA adapter 'a' removed successfully.")
+        assert (status, text) == (200, "Success: LoRA adapter 'a' removed successfully from wa.")
         assert "a" not in models()
         status, text = _http(base + "/completions", {"model": "a", "prompt": PROMPTS[1], "max_tokens": 4})
         assert status == 404 and "model" in json.loads(text)["error"]["message"]
         status, _ = _http(base + "/unload_lora_adapter", {"lora_name": "a"})
         assert status == 404
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_router_loads_adapters_only_where_lora_runs_and_again_is_a_no_op(redis_server, start_worker, start_router,
+                                                                          tiny_model, adapters, references):
+    """As vLLM's server: a load without `model` beside a plain worker succeeds on the LoRA one
+    (before: 400 "1 of 2 workers refused"), says where, is idempotent for the same path, and
+    the adapter's card shows its path as root."""
+    from pagoda.clients.up import free_port
+    from tests.test_router import wait_for
+    url = redis_server.url
+    start_worker(tiny_model, worker_id="lora", redis_url=url, enable_lora=True, max_loras=2, max_lora_rank=8,
+                 heartbeat_interval=0.2)
+    start_worker(tiny_model, worker_id="plain", redis_url=url, heartbeat_interval=0.2)
+    port = free_port()
+    start_router(url, http_port=port)
+    base = f"http://127.0.0.1:{port}/v1"
+
+    def cards():
+        return {m["id"]: m for m in json.loads(_http(base + "/models")[1])["data"]}
+
+    def workers_seen():
+        status, text = _http(base + "/load_lora_adapter", {"lora_name": "probe", "lora_path": "/no/such/dir"})
+        # A bad path is named as lora_path once the LoRA worker's lease arrives (before the fix,
+        # the plain worker's refusal made it lora_name).
+        return status == 400 and json.loads(text)["error"]["param"] == "lora_path"
+    wait_for(workers_seen, 20, "the router to see the LoRA worker")
+
+    load = {"lora_name": "b", "lora_path": adapters["b"]}
+    assert _http(base + "/load_lora_adapter", load) == (200, "Success: LoRA adapter 'b' added successfully on lora.")
+    card = cards()["b"]
+    assert card["root"] == adapters["b"] and card["parent"] in cards()
+    # Again with the same path: nothing to do, still a success; another path for the name: refused.
+    assert _http(base + "/load_lora_adapter", load) == (200, "Success: LoRA adapter 'b' added successfully on lora.")
+    status, text = _http(base + "/load_lora_adapter", {"lora_name": "b", "lora_path": adapters["a"]})
+    err = json.loads(text)["error"]
+    assert status == 400 and err["param"] == "lora_name" and "already loaded from" in err["message"]
+    status, text = _http(base + "/load_lora_adapter", {"lora_name": "c", "lora_path": "/no/such/dir"})
+    assert status == 400 and json.loads(text)["error"]["param"] == "lora_path"
+    # A base model no worker serves LoRA for is named as such.
+    status, text = _http(base + "/load_lora_adapter", {"lora_name": "c", "lora_path": adapters["a"], "model": "nope"})
+    assert status == 404 and json.loads(text)["error"]["param"] == "model"
+
+    status, text = _http(base + "/completions", {"model": "b", "prompt": PROMPTS[1], "max_tokens": 12,
+                                                 "temperature": 0, "ignore_eos": True})
+    from pagoda.runtime.tokenization import PromptTokenizer
+    assert status == 200
+    assert json.loads(text)["choices"][0]["text"] == PromptTokenizer.from_dir(tiny_model).decode(references["b"][1])
 
 
 # ---- the lease and the cost ---------------------------------------------------------------------

@@ -123,6 +123,11 @@ class SimWorker:
     def lora_resident(self) -> list[str]:
         return []
 
+    max_loras = 0           # no LoRA: never sent an adapter load
+
+    def lora_paths(self) -> dict[str, str]:
+        return {}
+
     # ---- engine loop ------------------------------------------------------------------
     def add(self, req: SimRequest) -> None:
         self.waiting.append(req)

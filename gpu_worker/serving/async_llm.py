@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -109,6 +110,8 @@ class AsyncLLM:
         self._host_cached: dict[bytes, None] = {}
         self._closed = False
         self._lora_adapters: tuple[str, ...] = tuple(self.engine.lora_adapters())
+        self._lora_paths: dict[str, str] = self._read_lora_paths()
+        self.max_loras = runner.lora.max_loras if runner.lora is not None else 0
         self._lora_resident: tuple[str, ...] = ()
         self.fatal: BaseException | None = None   # set when the engine can never step again
         if runner.tp is not None:
@@ -201,6 +204,14 @@ class AsyncLLM:
         """Those of them in a device slot after the engine's last turn."""
         return list(self._lora_resident)
 
+    def lora_paths(self) -> dict[str, str]:
+        """Adapter -> the path it was read from ("" when given as an object), as of the last command."""
+        return dict(self._lora_paths)
+
+    def _read_lora_paths(self) -> dict[str, str]:
+        lora = self.engine.runner.lora
+        return {name: a.path for name, a in lora.adapters.items()} if lora is not None else {}
+
     async def load_lora_adapter(self, name: str, path: str) -> list[str]:
         """Read a PEFT adapter (in a worker thread: the engine keeps stepping meanwhile), then
         register it in the engine's thread; -> the adapters loaded after."""
@@ -211,8 +222,14 @@ class AsyncLLM:
             raise ValueError(f"lora_name: must be a non-empty name other than the base model's (got {name!r})")
         if not path:
             raise ValueError("lora_path: must name the adapter's directory")
-        if name in runner.lora.adapters:
-            raise ValueError(f"lora_name: adapter {name!r} is already loaded")
+        loaded = self._lora_paths.get(name) if name in self._lora_adapters else None
+        if loaded is not None:
+            # vLLM's clients retry a load whose answer they missed: the same name and path again is a
+            # no-op, not an error; the same name for other weights still is (unload it first).
+            if loaded and os.path.realpath(loaded) == os.path.realpath(path):
+                return list(self._lora_adapters)
+            raise ValueError(f"lora_name: adapter {name!r} is already loaded from {loaded or 'an object'!s}; "
+                             f"unload it before loading {path}")
         adapter = await asyncio.to_thread(load_peft_adapter, name, path, runner.hf_config, runner.lora.max_rank)
 
         def register(engine: LLMEngine) -> list[str]:
@@ -332,6 +349,7 @@ class AsyncLLM:
             else:
                 cmd.done(result, None)
             self._lora_adapters = tuple(self.engine.lora_adapters())
+            self._lora_paths = self._read_lora_paths()
         elif isinstance(cmd, AbortCommand):
             before = len(self.engine.pending)
             self.engine.abort_request(cmd.request_id)

@@ -29,6 +29,7 @@ class LoadedModel:
 class EngineReport(Protocol):
     """What the Redis publisher reads: load figures, KV events and cached hashes per tier, adapters."""
     block_size: int
+    max_loras: int          # adapter slots; 0 without --enable-lora
 
     def stats(self) -> EngineStats: ...
 
@@ -43,6 +44,8 @@ class EngineReport(Protocol):
     def lora_adapters(self) -> list[str]: ...
 
     def lora_resident(self) -> list[str]: ...
+
+    def lora_paths(self) -> dict[str, str]: ...
 
 
 class EngineClient(EngineReport, Protocol):

@@ -185,8 +185,11 @@ class Publisher:
     def _adapters(self) -> dict:
         """The engine's LoRA adapters, bounded as the schema bounds them."""
         loaded = self.engine.lora_adapters()[:rs.MAX_LORA_ADAPTERS]
-        resident = set(self.engine.lora_resident())
-        return dict(lora_adapters=loaded, lora_resident=[n for n in loaded if n in resident])
+        resident, paths = set(self.engine.lora_resident()), self.engine.lora_paths()
+        # A path too long for the schema goes as "": the adapter is still listed, under its name.
+        shown = [p if len(p := paths.get(n, "")) <= rs.MAX_ADAPTER_NAME else "" for n in loaded]
+        return dict(lora_adapters=loaded, lora_resident=[n for n in loaded if n in resident], lora_paths=shown,
+                    max_loras=self.engine.max_loras)
 
     async def _snapshot(self) -> None:
         key, ttl = rs.snapshot_key(self.worker_id), int(max(self.lease_ttl_s, 3 * self.snapshot_s) * 1000)

@@ -1,6 +1,7 @@
 """The models a caller can name: /v1/models and /v1/models/{id} (each LoRA adapter a model of its
 own, as vLLM lists them), and vLLM's run-time LoRA admin, /v1/load_lora_adapter and
-/v1/unload_lora_adapter, which every live worker of the model carries out."""
+/v1/unload_lora_adapter: a load goes to the live workers that run with --enable-lora (of the
+model the body names), an unload to those that serve the adapter."""
 from __future__ import annotations
 
 import asyncio
@@ -40,9 +41,10 @@ class Models(Serving):
         except ApiError as e:
             return e.response()
 
-    @staticmethod
-    def _adapter_card(name: str, base: str) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "pagoda", "root": name, "parent": base}
+    def _adapter_card(self, name: str, base: str) -> dict:
+        # As vLLM: root is where the adapter was read from (its name when no worker says).
+        root = self.service.cluster.adapter_path(name) or name
+        return {"id": name, "object": "model", "created": 0, "owned_by": "pagoda", "root": root, "parent": base}
 
     async def _model_card(self, model: str) -> dict:
         card: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "pagoda",
@@ -54,9 +56,9 @@ class Models(Serving):
         return card
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        """vLLM's POST /v1/load_lora_adapter {lora_name, lora_path}: every live worker (of
-        `model`, when the body names one) registers the adapter; its path must be readable on
-        each of them."""
+        """vLLM's POST /v1/load_lora_adapter {lora_name, lora_path[, model]}: every live LoRA
+        worker of the base model registers the adapter (its path must be readable on each); the
+        answer names them. The same name and path again is a no-op on each worker."""
         return await self._lora_admin(request, load=True)
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
@@ -81,9 +83,13 @@ class Models(Serving):
             workers = [w for w in cluster.workers.values() if model is None or w.lease.model == model]
             if not load:
                 workers = [w for w in workers if name in w.lease.lora_adapters]
-            if not workers:
-                raise ApiError(404 if not load else 503, f"lora_name: no live worker {'serves' if not load else 'to load'} "
-                               f"{name!r}" + (f" (model {model!r})" if model else ""), "lora_name")
+                if not workers:
+                    raise ApiError(404, f"lora_name: no live worker serves {name!r}"
+                                   + (f" (model {model!r})" if model else ""), "lora_name")
+            else:
+                workers = self._lora_targets(workers, model)
+        except ApiError as e:
+            return e.response()
         except ApiError as e:
             return e.response()
 
@@ -97,16 +103,36 @@ class Models(Serving):
                                                  metadata=meta)
 
         results = await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)
-        failed = []
+        failed, done = [], []
         for w, r in zip(workers, results):
             if isinstance(r, grpc.aio.AioRpcError):
                 failed.append(f"{w.name}: {r.details()}")
             elif isinstance(r, BaseException):
                 raise r
             else:
-                cluster.adapters_changed(w, list(r.adapters))
-        if failed:
-            return bad("lora_path" if load and "lora_path" in failed[0] else "lora_name",
-                       f"{len(failed)} of {len(workers)} workers refused: " + "; ".join(failed)).response()
+                cluster.adapters_changed(w, list(r.adapters), (name, path) if load else None)
+                done.append(w.name)
         verb = "added" if load else "removed"
-        return web.Response(text=f"Success: LoRA adapter '{name}' {verb} successfully.")
+        where = f"{'on' if load else 'from'} {', '.join(done)}"
+        if failed:
+            # The workers' messages start with the field at fault (lora_path for a bad directory).
+            field = "lora_path" if load and failed[0].split(": ", 1)[1].startswith("lora_path") else "lora_name"
+            return bad(field, f"{len(failed)} of {len(workers)} workers refused: " + "; ".join(failed)
+                       + (f" ({verb} {where})" if done else "")).response()
+        return web.Response(text=f"Success: LoRA adapter '{name}' {verb} successfully {where}.")
+
+    def _lora_targets(self, workers: list, model: str | None) -> list:
+        """The workers a load goes to: those of `model` that run with --enable-lora (a plain
+        worker would only refuse it). Without `model`, their base model must be unambiguous: an
+        adapter is trained for one base model."""
+        targets = [w for w in workers if w.lease.max_loras > 0]
+        if not workers:
+            raise ApiError(404 if model else 503, f"model: no live worker of model {model!r}" if model
+                           else "model: no live worker", "model", "model_not_found" if model else None)
+        if not targets:
+            raise bad("model", f"no live worker{f' of model {model!r}' if model else ''} runs with --enable-lora")
+        bases = sorted({w.lease.model for w in targets})
+        if len(bases) > 1:
+            raise bad("model", f"workers of {', '.join(map(repr, bases))} serve LoRA adapters: name the base "
+                               "model the adapter is for")
+        return targets

@@ -99,6 +99,11 @@ class FakeEngine:
     def lora_resident(self):
         return []
 
+    max_loras = 0           # no LoRA: never sent an adapter load
+
+    def lora_paths(self):
+        return {}
+
     def stats(self):
         """The EngineStats fields a publisher reads (that module imports torch; this one must not)."""
         used = min(self.running * 4, self.num_blocks)
