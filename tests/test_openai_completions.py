@@ -82,6 +82,42 @@ def test_echo_logprobs_score_the_prompt_as_the_engine_scores_its_own_tokens(clie
     assert full.usage.completion_tokens == 1
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(client, stack, tiny_model):
+    """vLLM's echo without generation (lm-eval's loglikelihood shape): before, 400 "max_tokens:
+    must be at least 1"; now the prompt's scores, equal to transformers' log-softmax, and no
+    completion token."""
+    import torch
+    import transformers
+    ids = [5, 17, 300, 42, 99, 7, 250, 12]
+    r = client.completions.create(model=stack["model"], prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                  temperature=0)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    assert len(lp.tokens) == len(ids) and choice.text == "".join(lp.tokens)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([ref[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=2e-4)
+    for i in range(1, len(ids)):          # the best token of each place is in its top_logprobs
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(ref[i - 1].max().item(), abs=2e-4)
+    # Streamed: the same prompt alone, then the end.
+    chunks = list(client.completions.create(model=stack["model"], prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # prompt_logprobs alone scores too; nothing to score or show is refused, naming the field.
+    r = client.completions.create(model=stack["model"], prompt=ids, max_tokens=0, temperature=0,
+                                  extra_body={"prompt_logprobs": 1})
+    assert r.choices[0].text == "" and r.usage.completion_tokens == 0
+    assert len(r.choices[0].model_extra["prompt_logprobs"]) == len(ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=stack["model"], prompt=ids, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens" and "echo" in e.value.body["message"]
+
+
 def test_token_id_batches_with_n_are_independent_requests(client, stack):
     m = stack["model"]
     a = client.completions.create(model=m, prompt=[5, 6, 7, 8, 9], max_tokens=4, **GREEDY)

@@ -68,6 +68,7 @@ class Generation(Serving):
             texts = [r.text if r.HasField("text") else None for r in reqs]
             max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
             asked = reqs[0].model      # an adapter's name stays the response's model
+            score_only = _score_only(kind, body, echo, max_name, reqs)
             prompts = [Prompt(ids) for ids in await asyncio.gather(*(self._prepare(r, kind, max_name) for r in reqs))]
             if echo:
                 await self._echoes(reqs[0].model, prompts, texts)
@@ -79,7 +80,8 @@ class Generation(Serving):
         head = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": asked or reqs[0].model}
         sp = reqs[0].sampling
-        choices = Choices(kind, sp.n if sp.HasField("n") else 1, prompts, echo and sp.HasField("logprobs"))
+        choices = Choices(kind, sp.n if sp.HasField("n") else 1, prompts, echo and sp.HasField("logprobs"),
+                          score_only)
         async with contextlib.AsyncExitStack() as stack:
             upstreams = [await stack.enter_async_context(contextlib.aclosing(self.service.generate(r, None, ident)))
                          for r in reqs]
@@ -193,3 +195,21 @@ async def _merge(upstreams: list, firsts: list[pb.GenerateResponse]):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _score_only(kind: str, body: dict, echo: bool, max_name: str, reqs: list[pb.GenerateRequest]) -> bool:
+    """max_tokens=0 scores the prompt without a completion (vLLM's echo without generation, as
+    lm-eval's loglikelihood asks): the engine needs one step past the prompt, so one token is
+    asked for and dropped from the answer (Choices.score_only). Without echo or prompt_logprobs
+    it would answer nothing at all: refused."""
+    sp = reqs[0].sampling
+    if not sp.HasField("max_tokens") or sp.max_tokens != 0:
+        return False
+    if kind != "completion" or not (echo or "prompt_logprobs" in body):
+        raise bad(max_name, "must be at least 1 (0 only scores the prompt: /v1/completions with echo "
+                            "or prompt_logprobs)")
+    if sp.use_beam_search:
+        raise bad(max_name, "must be at least 1 with use_beam_search")
+    for r in reqs:
+        r.sampling.max_tokens = 1
+    return True

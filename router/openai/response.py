@@ -28,9 +28,13 @@ class Prompt:
 class Choices:
     """What each of the prompts' n sequences has produced so far, and the request's usage."""
 
-    def __init__(self, kind: str, n: int, prompts: list[Prompt], echo_logprobs: bool = False):
+    def __init__(self, kind: str, n: int, prompts: list[Prompt], echo_logprobs: bool = False,
+                 score_only: bool = False):
         self.kind, self.n, self.prompts = kind, n, prompts
         self.echo_logprobs = echo_logprobs   # echo with logprobs: the prompt's tokens lead the logprobs
+        # max_tokens=0 (vLLM's echo without generation): the engine ran one token to score the
+        # prompt; that token is dropped, so the choice is the prompt alone, cut at its "length".
+        self.score_only = score_only
         total = n * len(prompts)
         self.text = [""] * total
         self.logprobs: list[list] = [[] for _ in range(total)]
@@ -45,6 +49,8 @@ class Choices:
     def add(self, p: int, resp: pb.GenerateResponse) -> tuple[int, str, Any, str | None]:
         """Record one delta of prompt p's request; -> (its choice index, its text, its logprobs in
         this endpoint's shape or None, finish)."""
+        if self.score_only:
+            resp = _without_completion(resp)
         i = p * self.n + resp.index
         prompt = self.prompts[p]
         if resp.prompt_logprobs:
@@ -127,6 +133,22 @@ class Choices:
         prompt, done = sum(self.prompt_tokens), sum(self.num_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+
+def _without_completion(resp: pb.GenerateResponse) -> pb.GenerateResponse:
+    """A delta of a max_tokens=0 request with its one generated token taken out."""
+    out = pb.GenerateResponse()
+    out.CopyFrom(resp)
+    out.text = ""
+    out.ClearField("token_ids")
+    out.ClearField("logprobs")
+    if out.finished:
+        out.finish_reason = pb.FINISH_REASON_LENGTH
+        kind = out.WhichOneof("stop_reason")
+        if kind:
+            out.ClearField(kind)
+        out.usage.completion_tokens = 0
+    return out
 
 
 def _chat_lp(t: pb.TokenLogprob) -> dict:
