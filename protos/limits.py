@@ -31,7 +31,14 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     """--max-n, --max-prompt-bytes, ... on a server's parser (defaults as in Limits)."""
     g = p.add_argument_group("request limits (a request beyond one gets INVALID_ARGUMENT naming the field)")
     for f in fields(Limits):
-        g.add_argument("--" + f.name.replace("_", "-"), type=_positive, default=f.default, metavar="N")
+        g.add_argument("--" + f.name.replace("_", "-"), type=_positive, default=f.default, metavar="N",
+                       help=_HELP[f.name])
+
+
+_HELP = {"max_n": "sequences per request (n)", "max_prompt_bytes": "UTF-8 bytes of a prompt, or of all "
+         "messages together", "max_messages": "chat messages per request", "max_prompt_tokens": "token ids given "
+         "directly", "max_logit_bias": "entries of logit_bias", "max_stop": "stop strings, and stop_token_ids",
+         "max_id_bytes": "bytes of request_id, model, adapter and cache_salt"}
 
 
 def _positive(value: str) -> int:

@@ -7,13 +7,15 @@ from pagoda.protos import limits
 from pagoda.router.policies.registry import POLICIES
 from pagoda.router.tools import PARSERS
 from pagoda.runtime import security
+from pagoda.runtime.cli_help import DefaultsHelpFormatter
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagoda router",
-                                description="Prefix-aware gRPC router in front of pagoda GPU workers.")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50050)
+                                description="Prefix-aware gRPC router in front of pagoda GPU workers.",
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--host", default="0.0.0.0", help="address the gRPC and HTTP servers listen on")
+    p.add_argument("--port", type=int, default=50050, help="gRPC port (pagoda.v1.Generation)")
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP port (/v1/chat/completions, ..., /metrics); 0 = off "
                         "(as in `pagoda up`, where it defaults to any free port)")
@@ -24,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prometheus port (default: --port + 10000); 0 = off")
     p.add_argument("--redis-url", required=True, help="redis://[user:password@]host:port/db, or rediss:// "
                    "for TLS (REDIS_PASSWORD is used when the URL has none)")
-    p.add_argument("--policy", choices=POLICIES, default="prefix_aware")
+    p.add_argument("--policy", choices=POLICIES, default="prefix_aware",
+                   help="how a worker is picked: prefix_aware (cache overlap against load), least_loaded or round_robin")
     p.add_argument("--index-max-blocks", type=_positive, default=1_000_000,
                    help="bound on block hashes held in memory (least recently used go first)")
     p.add_argument("--speculative-ttl", type=float, default=10.0,
@@ -38,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a worker's block snapshot in Redis larger than this is refused unread")
     p.add_argument("--max-concurrent-streams", type=_positive, default=2048,
                    help="HTTP/2 streams one client connection may hold open")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     limits.add_flags(p)
     security.add_flags(p, worker_side=False)
     return p

@@ -15,29 +15,34 @@ from pagoda.gpu_worker.core.config import QUANTIZATION_METHODS, EngineConfig
 from pagoda.gpu_worker.core.spec_config import parse_speculative_config
 from pagoda.protos import limits
 from pagoda.runtime import security
+from pagoda.runtime.cli_help import DefaultsHelpFormatter
 
 # The engine's defaults live in EngineConfig alone; the flags read them from there.
 _D = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagoda worker", description="Serve one model over gRPC (pagoda.v1).")
+    p = argparse.ArgumentParser(prog="pagoda worker", description="Serve one model over gRPC (pagoda.v1).",
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", required=True,
                    help="Hugging Face checkpoint directory, or a hub id (downloaded into the HF cache; HF_TOKEN honoured)")
     p.add_argument("--revision", default=None, help="hub ids: branch, tag or commit to load (default: main)")
     p.add_argument("--served-model-name", default=None, help="name clients ask for (default: the directory's name)")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (pagoda.v1.Generation and Admin)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus HTTP port (default: --port + 10000, so workers differing only in --port "
                         "never collide); 0 turns it off")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=_D["device"])
-    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=_D["dtype"])
-    p.add_argument("--block-size", type=int, default=_D["block_size"])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=_D["device"],
+                   help="where the model runs (auto: cuda when a GPU is visible)")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=_D["dtype"],
+                   help="weights and activations (auto: the checkpoint's torch_dtype)")
+    p.add_argument("--block-size", type=int, default=_D["block_size"], help="tokens per KV-cache block")
     pool = p.add_argument_group("KV-cache pool size (the first given wins: blocks, bytes, GPU fraction)")
     pool.add_argument("--kv-cache-memory", default=None, help="bytes for the pool, e.g. 2GiB")
-    pool.add_argument("--num-kv-blocks", type=int, default=None)
-    pool.add_argument("--gpu-memory-utilization", type=float, default=_D["gpu_memory_utilization"])
+    pool.add_argument("--num-kv-blocks", type=int, default=None, help="blocks in the pool")
+    pool.add_argument("--gpu-memory-utilization", type=float, default=_D["gpu_memory_utilization"],
+                      help="CUDA: fraction of GPU memory for weights, activations and the pool together")
     pool.add_argument("--kv-offloading-size", type=_gib, default=_D["kv_offloading_size"], metavar="GIB",
                       help="host-memory KV tier in GiB (pinned on CUDA; 0 = off): prefix-cache blocks evicted "
                            "from the device pool are kept there and copied back on a hit")
@@ -46,10 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of being recomputed (recompute when the tier is full)")
     p.add_argument("--tensor-parallel-size", type=int, default=_D["tensor_parallel_size"],
                    help="split the model over this many ranks (one GPU each; gloo processes on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=_D["max_num_seqs"])
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=_D["max_num_seqs"], help="sequences running in one step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (prefill chunks and decodes); default: chosen from the model and device")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt plus completion tokens of one sequence (default: the model's own context length)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached blocks of an earlier prompt")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eagerly")
     p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default=_D["model_impl"],
                    help="native Llama-family code or transformers' modeling code (auto: native where it exists)")
@@ -59,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantized weights: fp8 quantizes a bf16/fp16/fp32 checkpoint at load (e4m3 per output "
                         "channel); a checkpoint quantized already (compressed-tensors fp8 or int4, GPTQ or AWQ int4) is "
                         "found from its config.json, and a value given must match it")
-    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=_D["scheduling_policy"])
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=_D["scheduling_policy"],
+                   help="priority: requests' priority field orders admission and picks preemption victims")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default=_D["async_scheduling"],
                    help="schedule and launch the next step before this one's tokens are back, and work "
                         "out its text while the next runs (auto: on with CUDA)")
@@ -90,13 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "id when given, else hostname-port)")
     p.add_argument("--metrics-prefix", choices=["pagoda", "vllm"], default="pagoda",
                    help="vllm: publish metrics under vLLM's own names and labels (its dashboards work as is)")
-    p.add_argument("--heartbeat-interval", type=float, default=0.5)
-    p.add_argument("--snapshot-interval", type=float, default=5.0)
+    p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between lease refreshes in Redis")
+    p.add_argument("--snapshot-interval", type=float, default=5.0,
+                   help="seconds between full snapshots of the cached blocks in Redis")
     p.add_argument("--drain-grace-seconds", type=float, default=30.0,
                    help="after SIGTERM, how long running streams may take to finish")
     p.add_argument("--max-concurrent-streams", type=int, default=2048,
                    help="HTTP/2 streams one connection may hold open (the router multiplexes on one)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     limits.add_flags(p)
     security.add_flags(p, worker_side=True)
     return p
