@@ -107,6 +107,9 @@ def test_unknown_routes_and_methods_answer_openai_error_objects(stack):
         assert status == want, (method, path, err)
         assert headers["Content-Type"].startswith("application/json")
         assert set(err["error"]) == {"message", "type", "param", "code"} and path in err["error"]["message"]
+        assert err["error"]["type"] == "invalid_request_error", (method, path, err)     # as OpenAI's
+        if want == 405:
+            assert "Allow" in headers
 
 
 def test_router_metrics_on_the_api_port(client, stack):

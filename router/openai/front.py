@@ -73,8 +73,12 @@ async def _json_errors(request: web.Request, handler):
         why = {404: f"no route {request.path!r} (the OpenAI API is under /v1)",
                405: f"method {request.method} not allowed on {request.path!r}"}.get(e.status, e.reason)
         headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        err = ApiError(e.status, why)
-        return web.json_response(err.body(), status=e.status, headers=headers)
+        body = ApiError(e.status, why).body()
+        if e.status in (404, 405):
+            # What OpenAI answers for a path or method it has no route for (it says "Invalid URL"):
+            # the caller's request is wrong, not the server (before: 405 read as server_error).
+            body["error"]["type"] = "invalid_request_error"
+        return web.json_response(body, status=e.status, headers=headers)
 
 
 def _version() -> str:
