@@ -247,6 +247,19 @@ def test_beam_search_bad_combinations_name_the_field(client, stack, extra, param
     assert e.value.code == 400 and err["param"] == param, err
 
 
+def test_length_penalty_without_beam_search_is_refused_and_user_accepted():
+    """length_penalty ranks beams; without use_beam_search it used to be accepted and ignored.
+    `user` is OpenAI's: accepted (and unused)."""
+    from pagoda.router.openai.request import ApiError, build_requests
+    for kind, body in (("completion", {"prompt": "hi"}), ("chat", {"messages": [{"role": "user", "content": "hi"}]})):
+        with pytest.raises(ApiError) as e:
+            build_requests({"model": "m", "length_penalty": 0.5, **body}, kind)
+        assert e.value.param == "length_penalty" and "use_beam_search" in e.value.message
+        beam = build_requests({"model": "m", "length_penalty": 0.5, "use_beam_search": True, **body}, kind)
+        assert beam[0].sampling.length_penalty == 0.5
+        assert build_requests({"model": "m", "length_penalty": 1.0, "user": "u-1", **body}, kind)
+
+
 def test_client_disconnect_frees_the_workers_blocks(client, stack):
     body = json.dumps({"model": stack["model"], "prompt": "Tell me a long story", "max_tokens": 200,
                        "ignore_eos": True, "stream": True}).encode()

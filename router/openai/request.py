@@ -34,6 +34,8 @@ _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
                  "length_penalty")
 _BOOL_PARAMS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search")
 _STRUCTURED = ("response_format", "guided_json", "guided_choice", "guided_regex")
+# `user` (OpenAI's end-user id for abuse monitoring) is accepted and not used: tenants come
+# from API keys here, and refusing it would break clients that always send it.
 _COMMON = {"model", "max_tokens", "stop", "logit_bias", "stream", "stream_options", "user", "cache_salt",
            "priority", "stop_token_ids", "logprobs", *_STRUCTURED, *_INT_PARAMS, *_FLOAT_PARAMS, *_BOOL_PARAMS}
 _ALLOWED = {"chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
@@ -117,6 +119,10 @@ def _sampling(body: dict, kind: str) -> pb.SamplingParams:
     _structured(body, sp)
     if sp.use_beam_search:
         _beam_search(body, sp)
+    elif sp.HasField("length_penalty") and sp.length_penalty != 1.0:
+        # It ranks finished beams; without beam search it would change nothing, silently (as vLLM,
+        # refused). 1.0, the neutral value some SDKs always send, changes nothing either way.
+        raise bad("length_penalty", f"only applies with use_beam_search (got {sp.length_penalty:g})")
     return sp
 
 
