@@ -48,6 +48,29 @@ def find_redis_server() -> str | None:
     return None
 
 
+DEFAULT_ROUTER_PORT = 50050
+PORT_SEARCH = 100                       # ports tried after the default before giving up
+
+
+def router_port(host: str, given: int | None) -> int:
+    """--port as given (StartupError when taken: the user asked for that one), or the default and,
+    when a second cluster on the host holds it, the next free port after it, said in one line."""
+    if given is not None:
+        check_port_free(host, given, "--port")
+        return given
+    for port in range(DEFAULT_ROUTER_PORT, DEFAULT_ROUTER_PORT + PORT_SEARCH):
+        try:
+            check_port_free(host, port, "--port")
+        except StartupError:
+            continue
+        if port != DEFAULT_ROUTER_PORT:
+            print(f"pagoda up: port {DEFAULT_ROUTER_PORT} is in use (another cluster?); the router takes {port} "
+                  "(--port to choose)", flush=True)
+        return port
+    raise StartupError(f"ports {DEFAULT_ROUTER_PORT} to {DEFAULT_ROUTER_PORT + PORT_SEARCH - 1} on {host} are all "
+                       "in use; pick one with --port")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -134,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="checkpoint directory (default: the tiny model, built once)")
     p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
     p.add_argument("--host", default="127.0.0.1", help="address the router and workers bind")
-    p.add_argument("--port", type=int, default=50050, help="router port (0 = any free port)")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"router port (default: {DEFAULT_ROUTER_PORT}, or the next free one when another cluster "
+                        "holds it, printed; 0 = any free port)")
     p.add_argument("--http-port", type=int, default=None,
                    help="router's OpenAI HTTP port (default: any free port, printed; 0 = off, as in "
                         "`pagoda router`)")
@@ -221,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.workers < 0 or not a.worker_flags:
         parser.error("--workers: at least one worker is needed (--workers N or --worker FLAGS)")
     try:                                 # before building or starting anything
-        check_port_free(a.host, a.port, "--port")
+        a.port = router_port(a.host, a.port)
         check_port_free(a.host, a.router_metrics_port, "--router-metrics-port")
         check_port_free(a.host, a.http_port or 0, "--http-port")
     except StartupError as e:

@@ -209,3 +209,34 @@ def test_up_refuses_bad_pass_through_quoting_in_one_line(tmp_path):
     proc = _up(tmp_path, "--router-args", "--tool-call-parser 'hermes")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "--router-args: No closing quotation" in out, out
+
+
+def test_a_second_cluster_takes_the_next_port_unless_one_was_given(tmp_path, tiny_model):
+    """`pagoda up` twice on one host: before, the second died on 50050; now, without --port, it says
+    in one line which port it took instead. An explicit --port that is taken stays a one-line error."""
+    import socket
+
+    from pagoda.clients.up import DEFAULT_ROUTER_PORT
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", DEFAULT_ROUTER_PORT))
+        holder.listen()
+    except OSError:          # another cluster on this host holds it already: taken either way
+        pass
+    try:
+        run = [sys.executable, "-m", "pagoda.clients.up", "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        # The worker dies at once (a bad flag): enough to see the router's port chosen and used.
+        out = subprocess.run(run + ["--model", tiny_model, "--workers", "1", "--worker-args", "--no-such-flag"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120).stdout
+        said = [x for x in out.splitlines() if f"port {DEFAULT_ROUTER_PORT} is in use" in x]
+        assert len(said) == 1, out
+        port = int(re.search(r"the router takes (\d+)", said[0]).group(1))
+        assert DEFAULT_ROUTER_PORT < port and "started router" in out
+        done = subprocess.run(run + ["--port", str(DEFAULT_ROUTER_PORT)], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and done.stdout == ""
+        line, = done.stderr.strip().splitlines()
+        assert f"port {DEFAULT_ROUTER_PORT} (--port)" in line and "in use" in line
+    finally:
+        holder.close()
