@@ -304,14 +304,17 @@ def test_worker_serves_adapters_and_loads_them_at_run_time(start_worker, tiny_mo
         for call, match in ((lambda: ask(1, "a"), "adapter: unknown LoRA adapter 'a'"),
                             (lambda: admin.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="c", lora_path="/nope")),
                              "lora_path: "),
-                            (lambda: admin.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="b", lora_path=adapters["b"])),
-                             "lora_name: adapter 'b' is already loaded"),
+                            (lambda: admin.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="b", lora_path=adapters["a"])),
+                             f"lora_name: adapter 'b' is already loaded from {adapters['b']}"),
                             (lambda: admin.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="zz")),
                              "lora_name: no adapter 'zz'")):
             with pytest.raises(grpc.RpcError) as e:
                 call()
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
         assert ask(2, "b") == references["b"][2]     # the worker carries on
+        # The same name and path again (a retried load): a no-op that answers the adapters.
+        again = admin.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="b", lora_path=adapters["b"]))
+        assert list(again.adapters) == ["b"] and ask(0, "b") == references["b"][0]
 
     from pagoda.clients import PagodaClient
     with PagodaClient(w.address, retries=0) as client:     # the client library's side of the same
@@ -609,4 +612,4 @@ def test_router_lora_admin_needs_an_admin_key(redis_server, start_router, tmp_pa
     status, text = post("alice-key")
     assert status == 403 and "admin key" in text
     status, text = post("ops-key")            # past the key check: no worker to load it on
-    assert status == 503 and "lora_name: no live worker" in text
+    assert status == 503 and "model: no live worker" in text

@@ -113,7 +113,7 @@ class Models(Serving):
                 cluster.adapters_changed(w, list(r.adapters), (name, path) if load else None)
                 done.append(w.name)
         verb = "added" if load else "removed"
-        where = f"{'on' if load else 'from'} {', '.join(done)}"
+        where = f"{'on' if load else 'from'} {', '.join(sorted(done))}"
         if failed:
             # The workers' messages start with the field at fault (lora_path for a bad directory).
             field = "lora_path" if load and failed[0].split(": ", 1)[1].startswith("lora_path") else "lora_name"
