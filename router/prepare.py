@@ -137,7 +137,9 @@ class Preparer:
         return (await self.pin(model))[1].info
 
     async def pin(self, model: str) -> tuple[str, Pin]:
-        model, workers = self.candidates(model)
+        """(the base model, its pin) for a model name, an adapter's name included: an adapter
+        tokenizes as its base does."""
+        model, workers = self.candidates(self.resolve_adapter(model, "")[0])
         return model, await self.pinned(model, workers)
 
     def hashes(self, model: str, adapter: str, cache_salt: str, token_ids: list[int],

@@ -410,6 +410,12 @@ def test_router_serves_adapters_by_name_and_loads_them_over_http(redis_server, s
         from pagoda.runtime.tokenization import PromptTokenizer
         assert status == 200 and body["model"] == "b"
         assert body["choices"][0]["text"] == PromptTokenizer.from_dir(tiny_model).decode(references["b"][1])
+        # A chat with tools is rendered by the router with the base model's template: an adapter's
+        # name must find it (it answered 404 "no live worker serves 'b'").
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        status, text = _http(base + "/chat/completions", {"model": "b", "messages": [{"role": "user", "content": "hi"}],
+                                                          "tools": tools, "max_tokens": 4})
+        assert status == 200 and json.loads(text)["model"] == "b", text
 
         status, text = _http(base + "/load_lora_adapter", {"lora_name": "c", "lora_path": "/no/such/dir"})
         assert status == 400 and "lora_path" in json.loads(text)["error"]["message"]
