@@ -5,7 +5,10 @@ A worker that fails before its first response (an error status other than the ca
 mistake, no response within --first-token-timeout, a first response that breaks the protocol)
 is marked in the circuit breaker and the next ranked worker is tried; RESOURCE_EXHAUSTED (a
 full queue) moves on without counting against the worker. After the first response a failure
-ends the stream with UNAVAILABLE, since tokens cannot be taken back. Worker streams are checked
+ends the stream with UNAVAILABLE, since tokens cannot be taken back, unless the worker named the
+request itself as the cause (a client error such as INVALID_ARGUMENT: a stage of the worker's
+step failed that request alone, gpu_worker/core/faults.py): that status goes to the caller as it
+is, is never tried on another worker, and does not count against the worker. Worker streams are checked
 (router/stream_check.py) as they are relayed.
 
 The ledger, per attempt: claimed (credited, prefix speculated) when sent; uncredited when it
@@ -141,6 +144,11 @@ class Proxy:
         log.warning("worker %s failed before the first token (%s); trying the next", w.id, why)
 
     def _failed_mid_stream(self, w: WorkerState, e: Exception) -> RouterError:
+        if isinstance(e, grpc.aio.AioRpcError) and e.code() in CLIENT_ERRORS:
+            # The worker named the request as the cause: the caller's error, not the worker's.
+            self.metrics.attempts.labels(w.name, "rejected").inc()
+            self.metrics.decisions.labels(self.policy, "rejected").inc()
+            return RouterError(e.code(), e.details() or "")
         if isinstance(e, BadStream):
             self.breaker.trip(w.id)
         else:

@@ -155,6 +155,28 @@ def test_the_relay_passes_the_workers_bytes_through_and_an_error_after_the_first
     asyncio.run(go())
 
 
+def test_a_request_the_worker_names_as_the_cause_is_not_failed_over_before_or_after_its_first_token():
+    """A worker's RequestFault (gpu_worker/core/faults.py) is INVALID_ARGUMENT: the caller gets
+    it as it is, no other worker is tried (it would fail the same way), the breaker is not
+    charged."""
+    async def go():
+        for w0, when in (({"fail_first": 1, "fail_code": "INVALID_ARGUMENT"}, "before"),
+                         ({"misbehave": "request_fault_mid"}, "after")):
+            async with stand_ins(w0, {}) as pipeline:
+                req = pb.GenerateRequest(request_id="r7", model="m", token_ids=list(range(1, 40)),
+                                         sampling=pb.SamplingParams(max_tokens=4))
+                seen = []
+                with pytest.raises(RouterError) as e:
+                    async for raw in await pipeline.open(req, 10.0):      # round_robin: w0 first
+                        seen.append(raw)
+                assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, when
+                assert len(seen) == (1 if when == "after" else 0)
+                w1 = pipeline.cluster.workers["w1"]
+                assert "r7" not in w1.gone and not w1.credits, f"{when}: failed over to w1"
+                assert pipeline.breaker._states.get("w0") is None or pipeline.breaker._states["w0"].failures == 0
+    asyncio.run(go())
+
+
 def test_fronts_import_no_process_module_and_no_module_imports_private_names():
     paths = sorted((ROOT / "router").rglob("*.py"))      # the sub-packages too
     assert {"openai", "policies"} <= {p.parent.name for p in paths}

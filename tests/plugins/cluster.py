@@ -155,6 +155,10 @@ def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_
                         return                           # ends the stream OK without finishing
                     elif misbehave == "abort_mid" and i == 1:
                         await context.abort(grpc.StatusCode.INTERNAL, "stand-in died mid-stream")
+                    elif misbehave == "request_fault_mid" and i == 1:   # as a worker's RequestFault
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                            "beam search scoring: this request's parameters or data made "
+                                            "the engine raise OverflowError")
                     if last:
                         resp.finish_reason = pb.FINISH_REASON_LENGTH
                         resp.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=n,
@@ -219,9 +223,10 @@ def main(argv=None) -> None:
     p.add_argument("--fail-first", type=int, default=0, help="answer the first N calls with --fail-code")
     p.add_argument("--fail-code", default="UNAVAILABLE", help="gRPC status name of those answers")
     p.add_argument("--hang", action="store_true", help="take Generate calls and never answer them")
-    p.add_argument("--misbehave", choices=["", "index", "no_finish", "abort_mid", "overrun"], default="",
+    p.add_argument("--misbehave", choices=["", "index", "no_finish", "abort_mid", "request_fault_mid", "overrun"], default="",
                    help="break the stream protocol: a bad sequence index, no finished response, or an "
-                        "error status after the first response")
+                        "error status after the first response (abort_mid: INTERNAL; request_fault_mid: "
+                        "INVALID_ARGUMENT, the request named as the cause)")
     p.add_argument("--tokenizer-digest", default="", help="advertise this digest instead of the real one")
     asyncio.run(_serve_fake(p.parse_args(argv)))
 
