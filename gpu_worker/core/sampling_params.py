@@ -8,6 +8,17 @@ from typing import Any
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_BEAM_WIDTH = 16       # beams of one search (gpu_worker/features/beam_search.py)
+# Every numeric field is bounded to a range whose arithmetic cannot overflow (a float64
+# len ** length_penalty, a float32 logit / temperature or * penalty, seed + n), wide enough
+# for any use people make of it; the error names the bound (core/faults.py is the backstop).
+MAX_N = 1024              # sequences of one request (n, best_of); the servers' --max-n is lower
+MAX_TEMPERATURE = 100.0   # OpenAI allows 2, vLLM any >= 0; past 100 the draw is uniform anyway
+MIN_TEMPERATURE = 1e-4    # far below it fp32 logits / temperature reach inf (vLLM clamps to 1e-2)
+MAX_TOP_K = 1 << 20       # past the largest vocabulary: the same as off
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_LOGIT_BIAS = 100.0    # OpenAI's range, [-100, 100]
+MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: (2 ** 20 tokens) ** 10 = 2 ** 200, finite in float64
+MIN_SEED, MAX_SEED = -2 ** 63, 2 ** 63 - 1 - MAX_N   # seed + i (one per sequence) stays an int64
 
 
 @dataclass
@@ -65,34 +76,37 @@ class SamplingParams:
                 bad(name, "must be an integer")
 
         integer("n")
-        if self.n < 1:
-            bad("n", "must be at least 1")
+        if not 1 <= self.n <= MAX_N:
+            bad("n", f"must be in [1, {MAX_N}]")
         finite("temperature")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
+        if self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
         finite("top_p")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         integer("top_k")
-        if self.top_k < -1:
-            bad("top_k", "must be -1 (disabled) or >= 0")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"must be -1 (disabled) or in [0, {MAX_TOP_K}]")
         finite("min_p")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
         finite("repetition_penalty")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")
         for name in ("presence_penalty", "frequency_penalty"):
             finite(name)
             if not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")
         for tok, bias in (self.logit_bias or {}).items():
-            if not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab_size:
                 bad("logit_bias", f"token id {tok!r} is outside the vocabulary [0, {vocab_size})")
-            if not isinstance(bias, (int, float)) or not math.isfinite(bias):
-                bad("logit_bias", f"bias for token {tok} must be a finite number")
+            if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias) \
+                    or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                bad("logit_bias", f"bias for token {tok} must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         if self.seed is not None:
             integer("seed")
+            if not MIN_SEED <= self.seed <= MAX_SEED:
+                bad("seed", f"must be in [-2**63, 2**63 - 1 - {MAX_N}] (seed + n stays an int64)")
         integer("max_tokens")
         if self.max_tokens < 1:
             bad("max_tokens", "must be at least 1")
@@ -118,13 +132,15 @@ class SamplingParams:
                     bad(name, "must be in [0, 20]")
         if self.best_of is not None:
             integer("best_of")
-            if self.best_of < self.n:
-                bad("best_of", f"must be >= n ({self.n})")
+            if not self.n <= self.best_of <= MAX_N:
+                bad("best_of", f"must be in [n ({self.n}), {MAX_N}]")
             if self.best_of > self.n and not self.use_beam_search:
                 bad("best_of", "more candidates than n need use_beam_search (sampling returns all n)")
         if not isinstance(self.use_beam_search, bool):
             bad("use_beam_search", "must be true or false")
         finite("length_penalty")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            bad("length_penalty", f"must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
         if self.use_beam_search:
             self._validate_beam_search()
 
