@@ -160,25 +160,29 @@ def test_queue_full_is_refused(tiny_model):
     asyncio.run(main())
 
 
-def test_failed_step_fails_its_streams_and_engine_recovers(engine):
-    runner = engine.engine.runner
-    real = runner.launch
+def test_an_engine_fault_fails_its_streams_and_the_engine_refuses_the_rest(tiny_model):
+    """The forward failing is the engine's own fault (gpu_worker/core/faults.py): every stream
+    ends with the error, blocks come back, and the engine is dead (fatal; the worker then
+    reports NOT_SERVING, tests/test_fault_isolation.py) instead of serving on a broken device."""
+    eng = AsyncLLM(EngineConfig(model=tiny_model, device="cpu", num_kv_blocks=64, max_num_seqs=4))
+    runner = eng.engine.runner
 
     def broken(out):
-        runner.launch = real
         raise RuntimeError("device lost")
 
     async def main():
         sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
         prompt = rand_ids(40, 9)
-        want = await collect(engine.generate("before", prompt, sp))
+        await collect(eng.generate("before", prompt, sp))
         runner.launch = broken
         with pytest.raises(RuntimeError, match="device lost"):
-            await collect(engine.generate("victim", prompt, sp))
-        await wait_idle(engine)
-        # The cache was reset, so nothing half-written is reused; results are unchanged.
-        assert engine.cached_block_hashes() == []
-        after = await collect(engine.generate("after", prompt, sp))
-        assert [t for d in after for t in d.token_ids] == [t for d in want for t in d.token_ids]
+            await collect(eng.generate("victim", prompt, sp))
+        await wait_idle(eng)
+        # The cache was reset, so nothing half-written is ever reused.
+        assert eng.cached_block_hashes() == []
+        assert isinstance(eng.fatal, RuntimeError)
+        with pytest.raises(RuntimeError, match="shut down|failed"):
+            await collect(eng.generate("after", prompt, sp))
+        await eng.shutdown()
 
     asyncio.run(main())

@@ -84,6 +84,9 @@ class ModelRunnerOutput:
     # cut after a stop token or the length limit; they are absent from sampled_token_ids.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_num_accepted: dict[str, int] = field(default_factory=dict)   # drafts accepted, before any cut
+    # Requests whose own parameters or data made a per-request stage raise (core/faults.py);
+    # they got no token, and the engine ends them alone.
+    failed: dict[str, BaseException] = field(default_factory=dict)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 from pagoda.gpu_worker.core.config import EngineConfig
 from pagoda.gpu_worker.core.detokenizer import Detokenizer
 from pagoda.gpu_worker.core.drafter import Drafter
+from pagoda.gpu_worker.core.faults import EngineDeadError, RequestFault
 from pagoda.gpu_worker.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.gpu_worker.core.outputs import EngineStats, ModelRunnerOutput, SchedulerOutput, StreamDelta
 from pagoda.gpu_worker.core.request import Request, RequestStatus
@@ -69,6 +70,8 @@ class LLMEngine:
         self.children: dict[str, list[Request]] = {}    # caller id -> its live sequences
         self.beam_groups: dict[str, BeamGroup] = {}     # caller id -> its beam search
         self.pending: list[StreamDelta] = []            # abort notices for the next step
+        self.faults: list[RequestFault] = []            # requests a stage of a step ended alone
+        self.dead: BaseException | None = None          # the engine's own fault: it serves no more
         self.generation_tokens = 0
         self.request_prompt_tokens = self.request_cached_tokens = 0
         self.num_steps, self.step_seconds = 0, 0.0
@@ -94,6 +97,8 @@ class LLMEngine:
                          check_id: bool = True) -> None:
         """Raise ValueError naming the bad field; touches no state. Without check_id it reads
         nothing that changes, so AsyncLLM can call it from the event loop's thread."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine failed and serves no more requests: {self.dead!r}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if check_id and request_id in self.children:
@@ -229,7 +234,10 @@ class LLMEngine:
         deltas: list[StreamDelta] = []
         for group in list(self.beam_groups.values()):
             if all(b.beam_ready is not None for b in group.beams):
-                deltas.extend(self._advance(group))
+                try:
+                    deltas.extend(self._advance(group))
+                except Exception as e:      # a per-request stage: this search alone fails
+                    self._fail(group.request_id, "beam search scoring", e)
         return deltas
 
     def _advance(self, group: BeamGroup) -> list[StreamDelta]:
@@ -242,15 +250,20 @@ class LLMEngine:
         flags = [check_stop(c.token, parents[c.parent].num_tokens + 1, parents[c.parent].num_output_tokens + 1,
                             group.stop_ids, 0, group.max_tokens, self.max_model_len) for c in cands]
         running, done = beam_search.select(cands, flags, group.width)
-        group.steps += 1
-        self.generation_tokens += len(parents)
+        # Scoring (the request's length_penalty meets its data) before any fork: an error here
+        # leaves the group as it was, for _fail to end whole.
         for c in done:
             group.finish_beam(parents[c.parent].all_token_ids + [c.token], c.cum_logprob, self.eos_token_ids, True)
+        for c, f in running:
+            if f & LENGTH:
+                group.finish_beam(parents[c.parent].all_token_ids + [c.token], c.cum_logprob,
+                                  self.eos_token_ids, False)
+        group.steps += 1
+        self.generation_tokens += len(parents)
         children: list[tuple[Request, int]] = []    # (child, tokens of KV it shares)
         for c, f in running:
             parent = parents[c.parent]
             if f & LENGTH:
-                group.finish_beam(parent.all_token_ids + [c.token], c.cum_logprob, self.eos_token_ids, False)
                 continue
             group.forks += 1
             child = parent.fork(f"{group.request_id}#beam.{group.forks}", c.token)
@@ -354,8 +367,15 @@ class LLMEngine:
         if not self.async_scheduling and self.in_flight is not None:
             collected += self._collect(self.in_flight)
             self.in_flight = None
-        deltas.extend([self._on_token(req, flags) if n == 1 else self._on_tokens(req, flags, n)
-                       for req, flags, n in collected])
+        failed = {f.request_id for f in self.faults}
+        for req, flags, n in collected:
+            if failed and req.parent_id in failed:
+                continue            # a sibling's stage failed the request this step
+            try:        # a per-request stage: an error ends this request alone
+                deltas.append(self._on_token(req, flags) if n == 1 else self._on_tokens(req, flags, n))
+            except Exception as e:
+                self._fail(req.parent_id, "stop checks and detokenization", e)
+                failed.add(req.parent_id)
         if self.beam_groups:
             deltas.extend(self._step_beams())
         if self.in_flight is not None and not any(s.req_id in self.scheduler.requests
@@ -372,7 +392,14 @@ class LLMEngine:
         out, launched = step
         result: ModelRunnerOutput = self._guarded(self.runner.finish, launched)
         self.num_steps += 1
+        culprits = [(r, e) for r, e in ((self.scheduler.requests.get(rid), e) for rid, e in result.failed.items())
+                    if r is not None]
         advanced = self.scheduler.update_from_output(out, result)
+        for req, e in culprits:
+            self._fail(req.parent_id, "sampling (transforms, logits processors, grammar)", e)
+        if culprits:
+            gone = {req.parent_id for req, _ in culprits}
+            advanced = [r for r in advanced if r.parent_id not in gone]
         flags, spec = result.finish_flags, result.spec_token_ids
         collected = [(req, flags.get(req.req_id, 0), len(spec[req.req_id]) if req.req_id in spec else 1)
                      for req in advanced]
@@ -386,10 +413,31 @@ class LLMEngine:
             self.scheduler.finish_requests(ended, RequestStatus.FINISHED_LENGTH)
         return collected
 
+    def _fail(self, request_id: str, stage: str, cause: BaseException) -> None:
+        """End one caller request alone: a per-request stage of the step raised for it
+        (core/faults.py). Its sequences leave the scheduler (blocks freed); the caller gets a
+        RequestFault (take_faults) instead of more deltas."""
+        logger.warning("request %s failed alone in %s: %r", request_id, stage, cause)
+        group = self.beam_groups.pop(request_id, None)
+        seqs = list(group.beams) if group is not None else list(self.children.get(request_id, []))
+        self.children.pop(request_id, None)
+        self.scheduler.finish_requests([r.req_id for r in seqs], RequestStatus.FINISHED_ABORTED)
+        for r in seqs:
+            self.detokenizers.pop(r.req_id, None)
+        self.faults.append(RequestFault(request_id, stage, cause))
+
+    def take_faults(self) -> list[RequestFault]:
+        """The requests ended alone since the last call, each with its error."""
+        faults, self.faults = self.faults, []
+        return faults
+
     def _guarded(self, fn, arg):
+        """A stage of the engine itself (the forward, block copies): its error is nobody's
+        request's, so every request fails and the engine is dead."""
         try:
             return fn(arg)
-        except Exception:
+        except Exception as e:
+            self.dead = e
             # This step's full blocks were named before their KV was written, so the cache
             # can no longer be trusted: end every request and start it clean.
             self.in_flight = None

@@ -13,7 +13,7 @@ import math
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, cast
 
 import numpy as np
@@ -58,6 +58,8 @@ class InFlight:
     # tokens and accepted drafts.
     spec_req_ids: Optional[list[str]] = None
     spec: Optional[Verified] = None
+    # Requests whose own parameters or data made the draw raise (core/faults.py): no token.
+    faults: dict[str, BaseException] = field(default_factory=dict)
 
 
 def _runs(copies: list[KVCopy]):
@@ -543,9 +545,57 @@ class ModelRunner:
             return InFlight([], np.empty(0, np.int64), None, prompt) if prompt is not None else None
         if inputs.num_drafts is not None:
             return self._verify(logits[:nl], inputs, out.scheduled, spec_index, proposed, prompt)
-        sampled = self.sampler.draw(logits[:b], self.batch.sampling_batch(inputs.sample_rows, self.last_draw))
+        sampled, faults = self._draw(logits[:b], inputs.sample_rows, inputs.req_ids)
         self.last_draw = sampled.tokens
-        return InFlight(inputs.req_ids, self.batch.mark_sampled(inputs.sample_rows), sampled, prompt)
+        return InFlight(inputs.req_ids, self.batch.mark_sampled(inputs.sample_rows), sampled, prompt, faults=faults)
+
+    def _draw(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str]
+              ) -> tuple[Sampled, dict[str, BaseException]]:
+        """The sampler over the rows, all at once: the sampling transforms, logits processors and
+        grammar masks are per-request stages, so an error there is attributed (core/faults.py)."""
+        try:
+            return self.sampler.draw(logits, self.batch.sampling_batch(rows, self.last_draw)), {}
+        except Exception as error:
+            return self._draw_isolating(logits, rows, req_ids, error)
+
+    def _draw_isolating(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], error: Exception
+                        ) -> tuple[Sampled, dict[str, BaseException]]:
+        """The batched draw raised and cannot say which row made it: draw row by row to find
+        the rows that raise alone (their requests fail alone), then draw the others together.
+        The culprits' rows hold token 0, which nobody reads: their requests end when the step
+        is collected. A row that never raises alone leaves the error the engine's. Relies on
+        the sampler's stages raising before they write the logits (the grammar's Python work
+        comes first; the torch transforms check their arguments before writing)."""
+        bad: dict[int, BaseException] = {}
+        for i in range(len(rows)):
+            try:
+                self.sampler.draw(logits[i:i + 1].clone(),
+                                  self.batch.sampling_batch(rows[i:i + 1], self.last_draw, staged=False))
+            except Exception as e:
+                bad[i] = e
+        if not bad:
+            raise error
+        log.warning("sampling raised for %d of %d rows (%r); those requests fail alone",
+                       len(bad), len(rows), error)
+        n = len(rows)
+        good = np.array([i for i in range(n) if i not in bad], np.int64)
+        tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
+        faults = {req_ids[i]: e for i, e in bad.items()}
+        if not len(good):
+            return Sampled(tokens.cpu(), None, None, 0, tokens), faults
+        s = self.sampler.draw(logits[self._upload(good)],
+                              self.batch.sampling_batch(rows[good], self.last_draw, staged=False))
+        if s.ready is not None:
+            s.ready.synchronize()
+        tokens[self._upload(good)] = s.tokens
+        host = torch.zeros((n, *s.host.shape[1:]), dtype=s.host.dtype)
+        host[torch.from_numpy(good)] = s.host
+        want = None
+        if s.num_logprobs is not None:
+            want = [-1] * n
+            for i, k in zip(good.tolist(), s.num_logprobs):
+                want[i] = k
+        return Sampled(host, None, want, s.k, tokens), faults
 
     @staticmethod
     def _score_prompt(logits: torch.Tensor, scores: PromptScores) -> tuple[torch.Tensor, int]:
@@ -572,9 +622,10 @@ class ModelRunner:
         first = np.cumsum(k + 1) - (k + 1)
         plain, spec = np.flatnonzero(k == 0), np.flatnonzero(k > 0)
         sampled = None
+        faults: dict[str, BaseException] = {}
         if len(plain):
-            sampled = self.sampler.draw(logits[self._upload(first[plain])],
-                                        self.batch.sampling_batch(inputs.sample_rows[plain]))
+            sampled, faults = self._draw(logits[self._upload(first[plain])], inputs.sample_rows[plain],
+                                         [inputs.req_ids[i] for i in plain])
             self.last_draw = sampled.tokens
         ks = k[spec]
         spec_rows = np.repeat(first[spec], ks + 1) + (np.arange(int((ks + 1).sum()))
@@ -591,7 +642,7 @@ class ModelRunner:
         verified = rejection_sample(target, ks, draft_ids, draft_probs, u)
         req_ids = [inputs.req_ids[i] for i in plain]
         positions = self.batch.mark_sampled(inputs.sample_rows[plain]) if len(plain) else np.zeros(0, np.int64)
-        return InFlight(req_ids, positions, sampled, prompt, [inputs.req_ids[i] for i in spec], verified)
+        return InFlight(req_ids, positions, sampled, prompt, [inputs.req_ids[i] for i in spec], verified, faults)
 
     def _upload_async(self, a: np.ndarray) -> torch.Tensor:
         return self.batch._upload(a)
@@ -614,6 +665,11 @@ class ModelRunner:
             for rid, lp in zip(step.req_ids, logprobs):
                 if lp is not None:
                     result.logprobs[rid] = lp
+            if step.faults:     # no token for them: the engine ends them (core/faults.py)
+                result.failed = step.faults
+                for rid in step.faults:
+                    result.sampled_token_ids.pop(rid, None)
+                    result.finish_flags.pop(rid, None)
         if step.prompt is not None:
             result.prompt_logprobs = self._prompt_logprobs(*step.prompt)
         if step.spec is not None and step.spec_req_ids is not None:

@@ -108,7 +108,8 @@ class AsyncLLM:
         self._cached: dict[bytes, None] = {}     # insertion-ordered set of cached hashes
         self._host_events: list[tuple[str, bytes]] = []     # the same for the host KV tier
         self._host_cached: dict[bytes, None] = {}
-        self._closed = False
+        self._closed = False      # no new requests: shut down, or the engine died
+        self._stopped = False     # shutdown() ran
         self._lora_adapters: tuple[str, ...] = tuple(self.engine.lora_adapters())
         self._lora_paths: dict[str, str] = self._read_lora_paths()
         self.max_loras = runner.lora.max_loras if runner.lora is not None else 0
@@ -125,7 +126,7 @@ class AsyncLLM:
                        priority: int = 0, cache_salt: str = "", adapter: str = ""
                        ) -> AsyncGenerator[StreamDelta, None]:
         if self._closed:
-            raise RuntimeError("AsyncLLM is shut down")
+            raise RuntimeError("AsyncLLM is shut down" if self.fatal is None else f"the engine failed: {self.fatal!r}")
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.engine.validate_request(request_id, prompt_token_ids, params, priority, cache_salt,
@@ -276,9 +277,9 @@ class AsyncLLM:
             stream.put(error)
 
     async def shutdown(self) -> None:
-        if self._closed:
+        if self._stopped:
             return
-        self._closed = True
+        self._stopped = self._closed = True
         self._commands.put(StopCommand())
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self.engine.runner.close()     # the other tensor-parallel ranks, if any
@@ -304,13 +305,22 @@ class AsyncLLM:
             if self.engine.has_unfinished_requests():
                 try:
                     deltas = self.engine.step()
-                except Exception as e:     # a failed step fails its requests, not the worker
-                    logger.exception("engine step failed")
+                except Exception as e:
+                    # Errors a request caused end that request inside the step (core/faults.py);
+                    # one that gets out is the engine's own: all fail, and it serves no more.
+                    logger.exception("engine step failed: the engine is dead")
+                    self.fatal, self._closed = e, True
                     self._fail_all(pending, e)
+            faults = self.engine.take_faults()
             # Published before any stream hears of the step, so that whoever sees a delta
             # (or an error) then sees figures at least as new.
             self._publish()
+            failing = [(pending.get(f.request_id), f) for f in faults]
             self._dispatch(deltas, pending)
+            for stream, fault in failing:       # after the deltas it had before the fault
+                if stream is not None:
+                    pending.pop(fault.request_id, None)
+                    stream.put(fault)
 
     def _publish(self) -> None:
         events = self.engine.take_kv_events()

@@ -3,8 +3,11 @@ plus standard health checking, server reflection, Prometheus metrics and gracefu
 
 Request handling is a thin translation: proto -> (token ids, SamplingParams) -> AsyncLLM.generate
 -> GenerateResponse per delta. The engine validates; its ValueError becomes INVALID_ARGUMENT with
-the engine's message (which names the field). A cancelled call or passed deadline cancels the
-handler task, which closes the engine stream and so aborts the request.
+the engine's message (which names the field). A request that a stage of a step failed alone
+(core/faults.py: RequestFault) also ends INVALID_ARGUMENT, even after its first token, so that
+neither the router nor a client retries it elsewhere; a dead engine turns the health NOT_SERVING.
+A cancelled call or passed deadline cancels the handler task, which closes the engine stream and
+so aborts the request.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagoda.gpu_worker.core.config import EngineConfig
+from pagoda.gpu_worker.core.faults import RequestFault
 from pagoda.gpu_worker.core.sampling_params import SamplingParams
 from pagoda.gpu_worker.features.structured_output import GrammarCompiler, spec_from_proto
 from pagoda.gpu_worker.runner.distributed import RankFailure
@@ -145,6 +149,8 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
                 started = True
                 self._observe(delta, t0, last)
                 yield self._response(delta)
+        except RequestFault as e:      # this request's own doing: another worker would fail it too
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ValueError as e:
             if started:
                 raise
@@ -304,6 +310,7 @@ class Worker:
         self.port: Optional[int] = None
         self.keyring: Optional[KeyRing] = None
         self.stopped = asyncio.Event()
+        self._watch: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
         a = self.args
@@ -334,6 +341,7 @@ class Worker:
         await self.server.start()
         for name in [""] + names:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._watch = asyncio.create_task(self._watch_engine())
         self._log_startup(engine)
         if a.redis_url:
             await self._start_publisher(a)
@@ -362,6 +370,15 @@ class Worker:
                                    tokenizer_digest=self.service.tokenizer.digest)
         await self.publisher.start()
 
+    async def _watch_engine(self) -> None:
+        """A dead engine (its own fault, not a request's) serves nothing more: NOT_SERVING and
+        the lease withdrawn at once; serve() then stops the process."""
+        assert self.engine is not None and self.service is not None
+        while self.engine.fatal is None:
+            await asyncio.sleep(0.1)
+        log.error("engine failed: reporting NOT_SERVING (%r)", self.engine.fatal)
+        await self.service.start_drain()
+
     async def _stop_publisher(self) -> None:
         # Withdrawing the lease at drain start lets routers stop choosing this worker at once.
         if self.publisher is not None:
@@ -373,6 +390,8 @@ class Worker:
         assert self.service is not None and self.server is not None, "start() first"
         assert self.engine is not None
         at_stage(deadline, "draining")
+        if self._watch is not None:
+            self._watch.cancel()
         await self.service.start_drain()
         finished = await self.service.wait_idle(grace)
         log.info("shutdown: %s", "all streams finished" if finished else "grace period over, cancelling streams")
@@ -390,6 +409,8 @@ class Worker:
     async def fail(self) -> None:
         """The engine died: NOT_SERVING, lease withdrawn, open streams end (they hold the error), stop."""
         assert self.service is not None and self.server is not None, "start() first"
+        if self._watch is not None:
+            self._watch.cancel()
         await self.service.start_drain()
         await self.service.wait_idle(2.0)
         await self.server.stop(0.5)
