@@ -257,3 +257,14 @@ def test_an_engine_fault_fails_every_stream_and_the_worker_reports_not_serving(w
     assert worker.health() == health_pb2.HealthCheckResponse.NOT_SERVING
     assert isinstance(engine.fatal, RuntimeError)
     assert engine.stats().free_blocks == engine.stats().num_blocks
+
+
+def test_the_offline_llm_raises_the_fault_and_stays_usable(tiny_llm_factory):
+    llm = tiny_llm_factory(num_kv_blocks=64)
+    ok = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = llm.generate([rand_ids(12, 1)], ok)[0].outputs[0].token_ids
+    with pytest.raises(RequestFault, match="matcher state corrupt"):
+        llm.generate([rand_ids(12, 1), rand_ids(14, 2)],
+                     [ok, SamplingParams(max_tokens=4, structured_output=_BrokenGrammar())])
+    assert llm.engine.stats().free_blocks == llm.engine.num_blocks and not llm.engine.has_unfinished_requests()
+    assert llm.generate([rand_ids(12, 1)], ok)[0].outputs[0].token_ids == want

@@ -101,7 +101,13 @@ class LLM:
     def _run(self, outputs: dict[str, RequestOutput]) -> None:
         left = sum(len(o.outputs) for o in outputs.values())
         while left:
-            for d in self.engine.step():
+            deltas = self.engine.step()
+            faults = self.engine.take_faults()
+            if faults:      # a request of this call failed alone (core/faults.py): the call fails
+                for f in faults:
+                    outputs[f.request_id].finished = True      # already ended in the engine
+                raise faults[0]
+            for d in deltas:
                 ro = outputs[d.request_id]
                 c = ro.outputs[d.index]
                 c.token_ids.extend(d.token_ids)
