@@ -75,10 +75,10 @@ def test_dense_linear_matches_f_linear():
 def test_cpu_gemm_flag_checked():
     out = subprocess.run([sys.executable, "-c", "import pagoda.gpu_worker.models.parallel"], capture_output=True,
                          text=True, cwd=ROOT, timeout=120, env={**os.environ, "PAGODA_CPU_GEMM": "mkl"})
-    assert out.returncode != 0 and "PAGODA_CPU_GEMM: must be one of auto, onednn, torch (got 'mkl')" in out.stderr
+    assert out.returncode != 0 and "PAGODA_CPU_GEMM: must be one of auto, c, onednn, torch (got 'mkl')" in out.stderr
 
 
-@pytest.mark.parametrize("gemm", ["torch", "onednn", "auto", None])
+@pytest.mark.parametrize("gemm", ["torch", "onednn", "c", "auto", None])
 def test_cpu_gemm_choice(gemm):
     env = {k: v for k, v in os.environ.items() if k != "PAGODA_CPU_GEMM"}
     if gemm:
@@ -86,7 +86,7 @@ def test_cpu_gemm_choice(gemm):
     code = "from pagoda.gpu_worker.models.parallel import _ONEDNN, _POOL; print(_ONEDNN, _POOL)"
     out = subprocess.run([sys.executable, "-c", code],
                          capture_output=True, text=True, cwd=ROOT, timeout=120, env=env, check=True)
-    assert out.stdout.split() == [str(gemm == "onednn"), str(gemm in ("auto", None))]
+    assert out.stdout.split() == [str(gemm == "onednn"), str(gemm in ("c", "auto", None))]
 
 
 def test_large_batches_use_the_packed_weight_and_follow_its_writes():

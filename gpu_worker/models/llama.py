@@ -28,6 +28,7 @@ from pagoda.gpu_worker.models.parallel import (
     head_dim_of,
     local_heads,
     parallel_logits,
+    tune_linears,
 )
 from pagoda.kernels.cpu_ops import add_rms_norm_cpu, rotary_cpu, silu_mul_cpu
 from pagoda.kernels.reference import add_rms_norm_ref, rotary_ref
@@ -65,6 +66,13 @@ def use_fused_ops(model: nn.Module, backend: str) -> None:
             m.ops = ops
         elif isinstance(m, MLP):
             m.ops = "cpu" if ops == "cpu" else "torch"
+    if ops == "cpu":
+        # The linears' implementations, timed at this model's shapes on this machine (cached).
+        linears = [(m.weight, m.bias) for m in model.modules() if isinstance(m, (Linear, RowParallelLinear))]
+        embed = getattr(model, "embed_tokens", None)
+        if getattr(model, "tie_word_embeddings", False) and embed is not None:
+            linears.append((embed.weight, None))        # the LM head's weight
+        tune_linears(linears)
 
 
 def rope_parameters(hf_config) -> dict:

@@ -21,24 +21,30 @@ import functools
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import cpu_gemm, cpu_gemv, cpu_lib
+from pagoda.kernels import cpu_gemm, cpu_gemv, cpu_lib, cpu_tune
 from pagoda.kernels.cpu_lib import GEMV_MAX_M
 
-CPU_GEMMS = ("auto", "onednn", "torch")
+CPU_GEMMS = ("auto", "c", "onednn", "torch")
+# The implementations a CPU linear can run (kernels/cpu_tune.py times them per shape and bucket):
+# the C GEMV (1 to GEMV_MAX_M fp32 rows), the C GEMM on a packed weight (fp32), oneDNN's matmul
+# on a weight in its blocked layout, and F.linear (MKL's sgemm for fp32 in the PyPI build).
+IMPLS = ("gemv", "gemm", "onednn", "torch")
 
 
 def _cpu_gemm() -> str:
-    """How fp32 CPU linears are computed (PAGODA_CPU_GEMM): auto (the default) takes
-    kernels/cpu_gemv.py for 1-8 rows and kernels/cpu_gemm.py above, both on the CPU kernels'
-    thread pool; onednn takes oneDNN's matmul for every batch (on torch's OpenMP threads); torch
-    takes F.linear (MKL's sgemm in the PyPI build)."""
+    """How CPU linears are computed (PAGODA_CPU_GEMM): auto (the default) takes, per linear shape
+    and row bucket, whichever implementation tune_linears timed fastest at model load (untuned
+    shapes: c for fp32, torch otherwise); c forces the C kernels, kernels/cpu_gemv.py for 1-8 rows
+    and kernels/cpu_gemm.py above, both on the CPU kernels' thread pool (fp32; F.linear for
+    others); onednn forces oneDNN's matmul for every batch (on torch's OpenMP threads; F.linear
+    where oneDNN lacks the dtype on this CPU); torch forces F.linear."""
     choice = os.environ.get("PAGODA_CPU_GEMM", "auto")
     if choice not in CPU_GEMMS:
         raise ValueError(f"PAGODA_CPU_GEMM: must be one of {', '.join(CPU_GEMMS)} (got {choice!r})")
@@ -50,33 +56,140 @@ def _cpu_gemm() -> str:
 
 _CPU_GEMM = _cpu_gemm()
 _ONEDNN = _CPU_GEMM == "onednn"
-_POOL = _CPU_GEMM == "auto"
-# The step's GEMMs run on the kernels' pool: its threads may spin from one kernel to the next.
+_POOL = _CPU_GEMM in ("auto", "c")
+# The step's GEMMs run on the kernels' pool: its threads may spin from one kernel to the next
+# (tune_linears revisits this once it knows what runs the large batches).
 cpu_lib.set_spin_always(_POOL)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# (out features, in features, dtype) -> the implementation per bucket of cpu_tune.BUCKETS.
+Choices = dict[tuple[int, int, torch.dtype], tuple[str, ...]]
+_choices: Choices = {}
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked matmul runs `dtype` on this CPU (bf16 and fp16 need AVX-512 or
+    AVX-NE-CONVERT; the reorder says so by refusing)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=dtype), w, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def _bucket(rows: int) -> int:
+    return 0 if rows <= 1 else 1 if rows <= 8 else 2 if rows <= 64 else 3     # cpu_tune.bucket_index
+
+
+def _impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """Which of IMPLS computes this call (one that takes it)."""
+    if _CPU_GEMM == "auto":
+        picked = _choices.get((weight.shape[0], weight.shape[1], x.dtype))
+        if picked is not None:
+            impl = picked[_bucket(x.shape[0])]
+            if impl == "torch" or (impl == "onednn" and onednn_takes(x.dtype)) \
+                    or (impl == "gemm" and cpu_gemm.takes(x, weight, bias)) \
+                    or (impl == "gemv" and cpu_gemv.takes(x, weight, bias)):
+                return impl
+    elif _CPU_GEMM == "onednn":
+        return "onednn" if onednn_takes(x.dtype) else "torch"
+    elif _CPU_GEMM == "torch":
+        return "torch"
+    return _default_name(x, weight, bias)
+
+
+def run_linear(impl: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) by one of IMPLS, which must take the call (dense_linear's checks)."""
+    if impl == "gemv":
+        return cpu_gemv.small_linear(x, weight, bias)
+    if impl == "gemm":
+        packed = _packed(weight, cpu_gemm.pack) if isinstance(weight, nn.Parameter) else cpu_gemm.pack(weight)
+        return cpu_gemm.linear(x, packed, weight.shape[0], bias)
+    if impl == "onednn":
+        w = _packed(weight, _onednn_layout) if isinstance(weight, nn.Parameter) else weight
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, for 2-D fp32 rows on a CPU through the CPU kernels' library: kernels/cpu_gemv.py
-    when there are at most 8 of them (a decode step of a few sequences streams the weights: 1.8x
-    faster than oneDNN at one row here, bench/cpu_forward.py) and kernels/cpu_gemm.py above (a
-    model's weights packed once, _packed); PAGODA_CPU_GEMM=onednn puts every batch on oneDNN's
-    fp32 matmul instead. All are IEEE fp32; results differ from F.linear's in the last bits, as
-    any other blocking of the sum would. Anything else, or with autograd recording, is F.linear."""
-    if ((_POOL or _ONEDNN) and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous()
+    """F.linear, for 2-D fp32, bf16 or fp16 rows on a CPU by the implementation _impl picks: what
+    tune_linears measured fastest for this shape and row count on this machine, or the one
+    PAGODA_CPU_GEMM forces, or for an untuned shape the C kernels (fp32: kernels/cpu_gemv.py at
+    1-8 rows, a decode step streaming the weights; kernels/cpu_gemm.py above, on a weight packed
+    once, _packed) and F.linear (other dtypes). All sum in fp32 at least; results differ from
+    F.linear's in the last bits, as any other blocking of the sum would. Anything else, or with
+    autograd recording, is F.linear."""
+    if (x.dim() == 2 and x.device.type == "cpu" and x.dtype in _DTYPES and weight.dtype == x.dtype
+            and weight.device.type == "cpu" and x.is_contiguous() and weight.is_contiguous()
+            and (bias is None or bias.dtype == x.dtype)
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
-        if _POOL:
-            if x.shape[0] <= GEMV_MAX_M and cpu_gemv.takes(x, weight, bias):
-                return cpu_gemv.small_linear(x, weight, bias)
-            if cpu_gemm.takes(x, weight, bias):
-                packed = _packed(weight, cpu_gemm.pack) if isinstance(weight, nn.Parameter) \
-                    else cpu_gemm.pack(weight)
-                return cpu_gemm.linear(x, packed, weight.shape[0], bias)
-            return F.linear(x, weight, bias)
-        if isinstance(weight, nn.Parameter):
-            weight = _packed(weight, _onednn_layout)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return run_linear(_impl(x, weight, bias), x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _candidates(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> list[str]:
+    """The implementations that take this call, in IMPLS order."""
+    out = []
+    if x.dtype == torch.float32 and cpu_gemv.takes(x, weight, bias):
+        out.append("gemv")
+    if x.dtype == torch.float32 and cpu_gemm.takes(x, weight, bias):
+        out.append("gemm")
+    if onednn_takes(x.dtype):
+        out.append("onednn")
+    return out + ["torch"]
+
+
+def tune_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> Choices:
+    """Time every implementation at each distinct (weight shape, dtype) of `weights` (a model's
+    linears: a weight and its bias) and the row counts of cpu_tune.BUCKETS, keep the fastest
+    (cached on disk, logged: kernels/cpu_tune.py) and use it in dense_linear from now on. Nothing
+    is timed when PAGODA_CPU_GEMM forces a choice, or for weights off the CPU."""
+    if _CPU_GEMM != "auto":
+        return {}
+    by_shape: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for w, b in weights:
+        if w.dim() == 2 and w.device.type == "cpu" and w.dtype in _DTYPES and w.is_contiguous():
+            by_shape.setdefault((w.shape[0], w.shape[1], w.dtype), (w, b))
+    tuned: Choices = {}
+    for dtype in _DTYPES:
+        shapes = {key: wb for key, wb in by_shape.items() if key[2] == dtype}
+        if not shapes:
+            continue
+        key = cpu_tune.cache_key(dtype, [(n, k) for n, k, _ in shapes])
+        work, gen = [], torch.Generator().manual_seed(0)
+        for (n, k, _), (w, b) in shapes.items():
+            for rows in cpu_tune.BUCKETS:
+                x = torch.randn(rows, k, generator=gen).to(dtype)
+                names = _candidates(x, w, b)
+
+                def call(impl: str, x: torch.Tensor = x, w: torch.Tensor = w, b: torch.Tensor | None = b):
+                    with torch.inference_mode():
+                        return run_linear(impl, x, w, b)
+                work.append(cpu_tune.Work(n, k, rows, {i: functools.partial(call, i) for i in names},
+                                          _default_name(x, w, b)))
+        picked = cpu_tune.tune(key, work, cpu_tune.budget_s())
+        for (n, k, _), (w, _b) in shapes.items():
+            tuned[(n, k, dtype)] = tuple(picked[f"{n}x{k}@{rows}"] for rows in cpu_tune.BUCKETS)
+            # The timed packings that lost: one weight's worth each, not kept.
+            for impl, fn in (("gemm", cpu_gemm.pack), ("onednn", _onednn_layout)):
+                if impl not in tuned[(n, k, dtype)]:
+                    _packs.pop((id(w), fn), None)
+    _choices.update(tuned)
+    # Spin between kernels when the pool's own GEMM runs the large batches (cpu_lib.set_spin_always).
+    large = [impl for picks in _choices.values() for impl in picks[2:]]
+    cpu_lib.set_spin_always(bool(large) and large.count("gemm") * 2 >= len(large))
+    return tuned
+
+
+def _default_name(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """What _impl runs for an untuned shape."""
+    fp32 = x.dtype == torch.float32
+    if fp32 and x.shape[0] <= GEMV_MAX_M and cpu_gemv.takes(x, weight, bias):
+        return "gemv"
+    return "gemm" if fp32 and cpu_gemm.takes(x, weight, bias) else "torch"
 
 
 def _onednn_layout(weight: torch.Tensor) -> torch.Tensor:

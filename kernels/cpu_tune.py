@@ -1,0 +1,194 @@
+"""Which implementation computes each CPU linear, chosen by timing them on this machine.
+
+At model load (pagoda.gpu_worker.models.parallel.tune_linears) every candidate that takes a linear
+shape of the model (the C GEMV and GEMM, oneDNN's prepacked matmul, plain F.linear) is timed at a
+few row counts, the bucket ceilings of BUCKETS, and the fastest is kept per (shape, bucket): no
+rule of thumb from the developer's CPU decides. Choices are cached as JSON beside the kernel
+cache (cpu_lib.cache_dir), under a key of everything the timings depend on: the CPU's model name
+and flags, the dtype, torch's version and the model's linear shapes. A start whose key is cached
+times nothing.
+
+The tuning is bounded: each candidate runs once untimed (it packs its weight, warms caches),
+then at most MAX_REPS timed calls or MIN_SECONDS of them, the minimum kept; the work goes from
+the cheapest (shape, bucket) up, and stops when the budget (PAGODA_CPU_TUNE_BUDGET_S, default
+3 s) would be overrun. What was not timed runs the default implementation this start and is
+timed at the next; a (shape, bucket) that alone would overrun the whole budget keeps the default
+for good (cached as untimed).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pagoda.kernels.cpu_lib import cache_dir
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 8, 64, 256)     # a linear of m rows runs what was fastest at the first bucket >= m
+MAX_REPS = 3
+MIN_SECONDS = 0.03
+DEFAULT_BUDGET_S = 3.0
+FORMAT = 1                    # of the cache file; part of the key
+
+
+def bucket_index(rows: int) -> int:
+    """Index into BUCKETS of the bucket a call of `rows` rows falls in (the last one above)."""
+    for i, b in enumerate(BUCKETS):
+        if rows <= b:
+            return i
+    return len(BUCKETS) - 1
+
+
+def choose(timings: dict[str, float]) -> str:
+    """The fastest candidate (ties: the first in name order, so the choice is reproducible)."""
+    return min(sorted(timings), key=lambda name: timings[name])
+
+
+def budget_s() -> float:
+    raw = os.environ.get("PAGODA_CPU_TUNE_BUDGET_S", str(DEFAULT_BUDGET_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3600:
+        raise ValueError(f"PAGODA_CPU_TUNE_BUDGET_S: must be seconds from 0 to 3600 (got {raw!r})")
+    return value
+
+
+def cpu_identity(cpuinfo: str | None = None) -> tuple[str, str]:
+    """(model name, flags) of this CPU from /proc/cpuinfo (`cpuinfo`: its text, for tests)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    model = flags = ""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("model name", "Model", "CPU part") and not model:
+            model = value.strip()
+        elif name in ("flags", "Features") and not flags:
+            flags = " ".join(sorted(value.split()))
+    return model or platform.processor() or platform.machine(), flags
+
+
+def cache_key(dtype: torch.dtype, shapes: list[tuple[int, int]], cpuinfo: str | None = None) -> dict:
+    model, flags = cpu_identity(cpuinfo)
+    return {"format": FORMAT, "cpu": model, "flags": flags, "dtype": str(dtype).replace("torch.", ""),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "shapes": sorted([list(s) for s in set(shapes)])}
+
+
+def cache_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"linear-choices-{digest}.json"
+
+
+def load_cache(key: dict) -> dict[str, dict]:
+    """Cached entries ("NxK@bucket" -> {"impl", "ms"}) for exactly this key; {} for none."""
+    try:
+        data = json.loads(cache_path(key).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("choices"), dict):
+        return {}
+    return data["choices"]
+
+
+def save_cache(key: dict, choices: dict[str, dict]) -> None:
+    path = cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Written beside the target and renamed: workers starting together never read half a file.
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "choices": choices}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("CPU linear tuning: cannot write %s (%s); the choices are not cached", path, e)
+
+
+def measure(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds per call of fn: one untimed call, then the fastest of at most MAX_REPS calls
+    (fewer when they pass MIN_SECONDS together)."""
+    fn()
+    best, spent = float("inf"), 0.0
+    for _ in range(MAX_REPS):
+        t0 = clock()
+        fn()
+        dt = clock() - t0
+        best, spent = min(best, dt), spent + dt
+        if spent >= MIN_SECONDS:
+            break
+    return best
+
+
+@dataclass
+class Work:
+    """One (shape, bucket) to choose for: its candidates, each a call at the bucket's rows."""
+    n: int
+    k: int
+    bucket: int
+    candidates: dict[str, Callable[[], object]]
+    default: str             # what runs when it is not timed
+
+    @property
+    def name(self) -> str:
+        return f"{self.n}x{self.k}@{self.bucket}"
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.n * self.k * self.bucket
+
+
+def tune(key: dict, work: list[Work], budget: float, measure: Callable[[Callable[[], object]], float] = measure,
+         clock: Callable[[], float] = time.perf_counter) -> dict[str, str]:
+    """The implementation for each work item's name: cached, timed now, or its default (untimed).
+    Logs one line per choice and writes what it timed to the cache."""
+    cached = load_cache(key)
+    choices, fresh = dict(cached), False
+    start, rate = clock(), 0.0          # rate: the slowest flops per second seen, for estimates
+    out: dict[str, str] = {}
+    for w in sorted(work, key=lambda w: (w.flops, w.name)):
+        hit = cached.get(w.name)
+        if hit is not None and hit.get("impl") in w.candidates:
+            out[w.name] = hit["impl"]
+            log.info("CPU linear %s rows<=%d: %s (cached)", f"{w.n}x{w.k}", w.bucket, hit["impl"])
+            continue
+        # Each candidate makes about two calls (an untimed one, then a timed one or more).
+        estimate = 2 * len(w.candidates) * w.flops / rate if rate else 0.0
+        if len(w.candidates) < 2 or estimate > budget:
+            out[w.name] = w.default
+            choices[w.name], fresh = {"impl": w.default, "ms": {}}, True
+            why = "the only candidate" if len(w.candidates) < 2 else f"timing it would take ~{estimate:.1f}s"
+            log.info("CPU linear %s rows<=%d: %s (untimed: %s)", f"{w.n}x{w.k}", w.bucket, w.default, why)
+            continue
+        if clock() - start + estimate > budget:
+            out[w.name] = w.default
+            log.info("CPU linear %s rows<=%d: %s (untimed: tuning budget of %.1fs spent; timed at a later start)",
+                     f"{w.n}x{w.k}", w.bucket, w.default, budget)
+            continue
+        timings = {name: measure(fn) for name, fn in w.candidates.items()}
+        best = choose(timings)
+        slowest = max(timings.values())
+        if slowest > 0:
+            rate = w.flops / slowest if not rate else min(rate, w.flops / slowest)
+        out[w.name] = best
+        choices[w.name], fresh = {"impl": best, "ms": {n: round(t * 1e3, 4) for n, t in timings.items()}}, True
+        log.info("CPU linear %s rows<=%d: %s (%s)", f"{w.n}x{w.k}", w.bucket, best,
+                 ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in sorted(timings.items(), key=lambda kv: kv[1])))
+    if fresh:
+        save_cache(key, choices)
+    return out

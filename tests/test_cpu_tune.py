@@ -1,0 +1,168 @@
+"""CPU linears chosen by timing (kernels/cpu_tune.py, parallel.tune_linears): the fastest wins on
+injected timings, the choice is cached under a key of what the timings depend on and reused,
+a changed key times again, the budget bounds the work, PAGODA_CPU_GEMM still forces a choice,
+and every implementation computes the same linear."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda.gpu_worker.models import parallel
+from pagoda.kernels import cpu_tune
+
+CPUINFO = "model name\t: Test CPU 9000\nflags\t\t: fpu sse avx2 fma\n"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGODA_KERNEL_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def fake_work(timings: dict[str, dict[str, float]], calls: list[str]) -> list[cpu_tune.Work]:
+    """Work items whose candidates return their injected time and record that they ran."""
+    out = []
+    for name, ts in timings.items():
+        shape, bucket = name.split("@")
+        n, k = map(int, shape.split("x"))
+
+        def make(impl: str, t: float, name: str = name):
+            def fn():
+                calls.append(f"{name}:{impl}")
+                return t
+            return fn
+        out.append(cpu_tune.Work(n, k, int(bucket), {impl: make(impl, t) for impl, t in ts.items()}, "torch"))
+    return out
+
+
+def measure_injected(fn):
+    return fn()
+
+
+def test_choose_takes_the_fastest():
+    assert cpu_tune.choose({"gemm": 2.0, "onednn": 1.5, "torch": 3.0}) == "onednn"
+    assert cpu_tune.choose({"torch": 1.0, "gemm": 1.0}) == "gemm"      # a tie: name order, reproducible
+    assert [cpu_tune.bucket_index(r) for r in (1, 2, 8, 9, 64, 65, 5000)] == [0, 1, 1, 2, 2, 3, 3]
+    assert all(parallel._bucket(r) == cpu_tune.bucket_index(r) for r in range(1, 300))
+
+
+def test_tune_picks_caches_and_reuses(cache):
+    timings = {"64x32@1": {"gemv": 1e-5, "gemm": 2e-5, "torch": 3e-5},
+               "64x32@64": {"gemm": 5e-5, "onednn": 4e-5, "torch": 6e-5}}
+    key = cpu_tune.cache_key(torch.float32, [(64, 32)], CPUINFO)
+    assert key["cpu"] == "Test CPU 9000" and key["flags"] == "avx2 fma fpu sse"
+    calls: list[str] = []
+    got = cpu_tune.tune(key, fake_work(timings, calls), 10.0, measure=measure_injected)
+    assert got == {"64x32@1": "gemv", "64x32@64": "onednn"}
+    assert len(calls) == 6
+    stored = json.loads(cpu_tune.cache_path(key).read_text())
+    assert stored["key"] == key and stored["choices"]["64x32@64"]["impl"] == "onednn"
+    assert stored["choices"]["64x32@64"]["ms"] == {"gemm": 0.05, "onednn": 0.04, "torch": 0.06}
+    # The same key again: nothing is timed, the same choices come back.
+    calls.clear()
+    assert cpu_tune.tune(key, fake_work(timings, calls), 10.0, measure=measure_injected) == got
+    assert calls == []
+    # Any part of the key changed (another CPU, dtype, torch, shapes): timed again.
+    for other in (cpu_tune.cache_key(torch.float32, [(64, 32)], CPUINFO.replace("avx2", "avx512f")),
+                  cpu_tune.cache_key(torch.bfloat16, [(64, 32)], CPUINFO),
+                  cpu_tune.cache_key(torch.float32, [(64, 32), (8, 8)], CPUINFO),
+                  {**key, "torch": "0.0"}):
+        assert cpu_tune.cache_path(other) != cpu_tune.cache_path(key)
+        calls.clear()
+        cpu_tune.tune(other, fake_work(timings, calls), 10.0, measure=measure_injected)
+        assert len(calls) == 6
+    # A file whose stored key differs (a hash collision, a hand edit) is not trusted.
+    path = cpu_tune.cache_path(key)
+    path.write_text(json.dumps({"key": {**key, "cpu": "else"}, "choices": stored["choices"]}))
+    assert cpu_tune.load_cache(key) == {}
+
+
+def test_budget_bounds_the_work(cache):
+    key = cpu_tune.cache_key(torch.float32, [(16, 16), (64, 64), (4096, 4096)], CPUINFO)
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def slow_measure(fn):
+        now[0] += 1.0            # every candidate costs a second of the budget
+        return fn()
+    # Fast candidates (a high flop rate): the estimates are small, the clock runs out.
+    timings = {"16x16@1": {"gemv": 2e-9, "torch": 1e-9}, "64x64@1": {"gemv": 1e-9, "torch": 2e-9},
+               "4096x4096@1": {"gemv": 1e-6, "torch": 2e-6}}
+    calls: list[str] = []
+    got = cpu_tune.tune(key, fake_work(timings, calls), 2.5, measure=slow_measure, clock=clock)
+    # Cheapest first: two items fit in 2.5 s, the third runs its default, untimed and uncached.
+    assert got == {"16x16@1": "torch", "64x64@1": "gemv", "4096x4096@1": "torch"}
+    assert len(calls) == 4 and calls[0].startswith("16x16@1")
+    stored = cpu_tune.load_cache(key)
+    assert set(stored) == {"16x16@1", "64x64@1"}
+    # The next start times only what is missing.
+    calls.clear()
+    now[0] = 0.0
+    got = cpu_tune.tune(key, fake_work(timings, calls), 2.5, measure=slow_measure, clock=clock)
+    assert got["4096x4096@1"] == "gemv" and all(c.startswith("4096x4096@1") for c in calls)
+    assert set(cpu_tune.load_cache(key)) == set(timings)
+
+
+def test_an_item_over_the_whole_budget_keeps_its_default(cache):
+    key = cpu_tune.cache_key(torch.float32, [(16, 16), (4096, 4096)], CPUINFO)
+    # 16x16 at 1 row in a second: the big one's estimate is days.
+    timings = {"16x16@1": {"gemv": 1.0, "torch": 0.5}, "4096x4096@256": {"gemm": 1.0, "torch": 2.0}}
+    calls: list[str] = []
+    got = cpu_tune.tune(key, fake_work(timings, calls), 5.0, measure=measure_injected)
+    assert got == {"16x16@1": "torch", "4096x4096@256": "torch"} and len(calls) == 2
+    assert cpu_tune.load_cache(key)["4096x4096@256"] == {"impl": "torch", "ms": {}}    # never timed again
+
+
+def test_forced_choice_wins(monkeypatch):
+    # PAGODA_CPU_GEMM is read at import (tests/test_cpu_forward.py runs it in processes); here
+    # its parsed value, over a shape whose measured choice says otherwise.
+    w = torch.nn.Parameter(torch.randn(32, 16), requires_grad=False)
+    monkeypatch.setattr(parallel, "_choices", {(32, 16, torch.float32): ("onednn",) * 4})
+    one, many = torch.randn(1, 16), torch.randn(40, 16)
+    for forced, want in (("torch", ("torch", "torch")), ("c", ("gemv", "gemm"))):
+        monkeypatch.setattr(parallel, "_CPU_GEMM", forced)
+        assert parallel.tune_linears([(w, None)]) == {}          # nothing timed when forced
+        assert (parallel._impl(one, w, None), parallel._impl(many, w, None)) == want
+    monkeypatch.setattr(parallel, "_CPU_GEMM", "onednn")
+    assert parallel._impl(many, w, None) == "onednn"
+    bf16 = torch.randn(4, 16).bfloat16()
+    assert parallel._impl(bf16, w.bfloat16(), None) == ("onednn" if parallel.onednn_takes(torch.bfloat16) else "torch")
+
+
+def test_tune_linears_installs_the_measured_choices(cache, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(48, 40, generator=g), requires_grad=False)
+    b = torch.nn.Parameter(torch.randn(48, generator=g), requires_grad=False)
+    monkeypatch.setattr(parallel, "_choices", {})
+    tuned = parallel.tune_linears([(w, b), (w, b)])
+    picks = tuned[(48, 40, torch.float32)]
+    assert len(picks) == len(cpu_tune.BUCKETS) and set(picks) <= set(parallel.IMPLS)
+    assert picks[2] != "gemv" and picks[3] != "gemv"          # past 8 rows the GEMV does not apply
+    for rows, pick in zip((1, 8, 64, 256), picks):
+        assert parallel._impl(torch.randn(rows, 40), w, b) == pick
+    assert list(cache.glob("linear-choices-*.json"))
+    # Forced onto one implementation, a tuned shape: dense_linear runs that one.
+    monkeypatch.setattr(parallel, "_choices", {(48, 40, torch.float32): ("torch",) * 4})
+    assert parallel._impl(torch.randn(3, 40), w, b) == "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_every_implementation_computes_the_same_linear(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.nn.Parameter(torch.randn(96, 200, generator=g).to(dtype), requires_grad=False)
+    b = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(rows, 200, generator=g).to(dtype)
+    want = F.linear(x.double(), w.double(), b.double())
+    names = parallel._candidates(x, w, b)
+    assert "torch" in names and (dtype != torch.float32 or "gemm" in names)
+    # Each within its own tested tolerance: fp32 sums in fp32; bf16 rounds its output to bf16.
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.1)
+    with torch.inference_mode():
+        for impl in names:
+            got = parallel.run_linear(impl, x, w, b)
+            assert got.dtype == dtype, impl
+            torch.testing.assert_close(got.double(), want, **tol, msg=impl)
