@@ -19,9 +19,11 @@ pool:
 
 Which kernel does what is planned once per step (_plan, kept in the step's memo) and reused by
 every layer. paged_attention_cpu has paged_attention_ref's signature and semantics
-(kernels/reference.py) and falls back to it for what the C kernels do not take: fp8 or non-fp32
-caches or queries, head_dim not a multiple of 8, non-CPU tensors, or no working C compiler
-(logged once).
+(kernels/reference.py) and falls back to it for what the C kernels do not take: fp8 caches,
+queries and caches of different dtypes or of a dtype other than fp32, bf16 and fp16, head_dim
+not a multiple of 8, non-CPU tensors, or no working C compiler (logged once). bf16 and fp16 are
+read in place and summed in fp32, by paged_attention_cpu.c alone (gemm_attention_cpu.c is
+fp32 only).
 """
 from __future__ import annotations
 
@@ -31,7 +33,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagoda.kernels.cpu_lib import GEMM_ATTENTION_ROWS, GEMV_MAX_M, QTILE, available, kernel_threads, load_library
+from pagoda.kernels.cpu_lib import (
+    GEMM_ATTENTION_ROWS,
+    GEMV_MAX_M,
+    KINDS,
+    QTILE,
+    available,
+    kernel_threads,
+    load_library,
+)
 from pagoda.kernels.reference import paged_attention_ref
 
 MAX_D, MAX_ROWS = 256, 256
@@ -48,7 +58,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, sinks: torch.Tensor | None 
     """Whether the C kernels take this call (else paged_attention_cpu uses the reference)."""
     hq, hkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
     return (q.device.type == "cpu" and k_cache.device.type == "cpu"
-            and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and q.dtype in KINDS and k_cache.dtype == q.dtype
             and d % 8 == 0 and d <= MAX_D and hq % hkv == 0 and (hq // hkv) * QTILE <= MAX_ROWS
             and (sinks is None or sinks.device.type == "cpu") and available())
 
@@ -201,7 +211,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     them, which reads each block's heads as one contiguous run, unless that leaves too few items
     for the threads). memo: a dict that lives as long as the step (AttentionMetadata.memo): the
     step's plan is made by the first layer and reused by the others."""
-    if not supports(q, k_cache, sinks) or v_cache.dtype != k_cache.dtype:
+    if not supports(q, k_cache, sinks) or v_cache.dtype != k_cache.dtype or (out is not None and out.dtype != q.dtype):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                    scale, out, max_seq_len=max_seq_len, sliding_window=sliding_window,
                                    softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
@@ -217,8 +227,9 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     starts_t = query_start_loc.to(torch.int32).contiguous()
     hq, hkv, d, bs = q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
     threads = kernel_threads()
-    # Matrix products only for plain attention: no window, cap or sinks.
-    gemm = not (sliding_window or softcap or sinks is not None) and d % 16 == 0
+    # Matrix products only for plain fp32 attention: no window, cap or sinks (16-bit pools and
+    # queries take paged_attention_cpu.c for every sequence, which widens them as it reads).
+    gemm = not (sliding_window or softcap or sinks is not None) and d % 16 == 0 and q.dtype == torch.float32
     key = ("cpu_attention", hq, hkv, d, bs, threads, gemm, heads_per_item)
     plan = memo.get(key) if memo is not None else None
     if plan is None:
@@ -255,7 +266,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             None if sinks_f is None else sinks_f.data_ptr(),
             None if plan.prefix is None else plan.prefix.ctypes.data, part_o or None, part_ml or None,
             hq, hkv, d, bs, int(sliding_window or 0), float(scale), float(softcap or 0.0),
-            plan.heads_per_item, plan.items.ctypes.data, len(plan.items), threads,
+            plan.heads_per_item, plan.items.ctypes.data, len(plan.items), KINDS[q.dtype], threads,
             # a step of a few tokens keeps the pool's threads awake through it (cpu_lib.py)
             int(q.shape[0] <= GEMV_MAX_M))
         if rc:

@@ -42,10 +42,12 @@ GEMM_ATTENTION_ROWS = 48  # most query rows per work item of gemm_attention_cpu.
 GEMM_ATTENTION_KEY_CHUNK = 128  # keys per online-softmax step of gemm_attention_cpu.c (its tests' sizes)
 
 i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+# The element types the kernels read and write where they take a `kind` (csrc/convert.h).
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 SIGNATURES = {
     "paged_attention_cpu": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
                             ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, f32,
-                            i32, ptr, i64, i32, i32],
+                            i32, ptr, i64, i32, i32, i32],
     "gemm_attention_cpu": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64,
                            i32, i32, i32, i32, f32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
                            ptr, i64, ptr, i64, i64, i32],
@@ -56,11 +58,13 @@ SIGNATURES = {
     "gemm_packed_floats": [i32, i32],
     "pool_set_spin_us": [i32],
     "pool_set_spin_always": [i32],
-    "add_rms_norm_f32": [ptr, i64, ptr, i64, ptr, f32, ptr, i64, ptr, i64, i32, i32, i32],
-    "rotary_neox_f32": [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, ptr, i64, i64, i32, i32, i32],
+    "add_rms_norm_f32": [ptr, i64, ptr, i64, ptr, f32, ptr, i64, ptr, i64, i32, i32, i32, i32],
+    "rotary_neox_f32": [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, ptr, i64, i64, i32, i32, i32, i32],
     "write_kv_f32": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64,
-                     i32, i32, i32, i32, i32],
-    "silu_mul_f32": [ptr, i64, ptr, i64, i32, i32, i32],
+                     i32, i32, i32, i32, i32, i32],
+    "silu_mul_f32": [ptr, i64, ptr, i64, i32, i32, i32, i32],
+    "convert_to_f32": [ptr, ptr, i64, i32, i32],
+    "convert_from_f32": [ptr, ptr, i64, i32, i32],
 }
 RESTYPES = {"pool_set_spin_us": None, "pool_set_spin_always": None, "gemm_pack_f32": None,
             "gemm_packed_floats": i64, "gemm_attention_work_floats": i64}

@@ -96,10 +96,10 @@ def test_what_the_kernel_does_not_take_goes_to_the_reference():
     assert fp8["k_cache"].dtype == FP8_DTYPE and not cpu_attention.supports(fp8["q"], fp8["k_cache"])
     torch.testing.assert_close(paged_attention_cpu(**fp8, k_scale=0.5, v_scale=0.25),
                                paged_attention_ref(**fp8, k_scale=0.5, v_scale=0.25), rtol=0, atol=0)
-    # bf16 and a head_dim the kernel's vectors do not divide
-    bf16 = dict(b, q=b["q"].bfloat16(), k_cache=b["k_cache"].bfloat16(), v_cache=b["v_cache"].bfloat16())
+    # fp32 queries over a bf16 pool, and a head_dim the kernel's vectors do not divide
+    mixed = dict(b, k_cache=b["k_cache"].bfloat16(), v_cache=b["v_cache"].bfloat16())
     odd = random_paged_batch([1, 4], [20, 9], 4, 2, 12, 8, generator=gen)
-    for batch in (bf16, odd):
+    for batch in (mixed, odd):
         assert not cpu_attention.supports(batch["q"], batch["k_cache"])
         torch.testing.assert_close(paged_attention_cpu(**batch), paged_attention_ref(**batch), rtol=0, atol=0)
 
@@ -266,3 +266,35 @@ def test_long_prefill_chunks_as_matrix_products(hq, hkv, d, bs):
     torch.testing.assert_close(out, paged_attention_ref(**b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.double(), dense_attention(b), rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("step", sorted(STEPS))
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 32, 16), (6, 2, 128, 16), (4, 4, 64, 8)])
+def test_16_bit_pools_read_in_place(dtype, step, hq, hkv, d, bs):
+    """bf16 / fp16 queries and pools, read in place and summed in fp32: against the float64
+    attention of the same 16-bit inputs, within the rounding of the 16-bit output (one rounding,
+    half an ulp of the output's dtype, plus fp32 summation)."""
+    b = random_paged_batch(*STEPS[step], hq, hkv, d, bs, generator=torch.Generator().manual_seed(7))
+    b = dict(b, q=b["q"].to(dtype), k_cache=b["k_cache"].to(dtype), v_cache=b["v_cache"].to(dtype))
+    poison_spare_blocks(b)
+    assert cpu_attention.supports(b["q"], b["k_cache"])
+    out = paged_attention_cpu(**b, out=torch.full_like(b["q"], float("nan")))
+    assert out.dtype == dtype and not out.isnan().any()
+    want = dense_attention(b)
+    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    torch.testing.assert_close(out.double(), want, rtol=ulp, atol=1e-5)
+    # the reference (which computes in fp32 on gathered rows and rounds once) agrees as closely
+    torch.testing.assert_close(out.double(), paged_attention_ref(**b).double(), rtol=2 * ulp, atol=1e-5)
+
+
+@pytest.mark.parametrize("feature", ["window", "softcap", "sinks"])
+def test_16_bit_features(feature):
+    gen = torch.Generator().manual_seed(8)
+    b = random_paged_batch(*STEPS["chunked"], 8, 2, 32, 16, generator=gen)
+    b = dict(b, q=(b["q"] * 3).bfloat16(), k_cache=b["k_cache"].bfloat16(), v_cache=b["v_cache"].bfloat16())
+    poison_spare_blocks(b)
+    kw = {"window": {"sliding_window": 20}, "softcap": {"softcap": 2.0},
+          "sinks": {"sinks": torch.randn(8, generator=gen)}}[feature]
+    torch.testing.assert_close(paged_attention_cpu(**b, **kw).double(), dense_attention(b, **kw),
+                               rtol=2.0 ** -8, atol=1e-5)

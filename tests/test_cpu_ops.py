@@ -85,12 +85,95 @@ def test_write_kv_cache_slot_past_the_pool():
 
 def test_other_dtypes_take_the_reference():
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(2, 16, generator=g).half(), torch.randn(16, generator=g).half()
+    x, w = torch.randn(2, 16, generator=g).double(), torch.randn(16, generator=g).double()
     assert torch.equal(add_rms_norm_cpu(x, None, w, 1e-6)[0], add_rms_norm_ref(x, None, w, 1e-6)[0])
+    # mixed dtypes (bf16 rows, an fp32 weight) too
+    xb = x.bfloat16()
+    assert torch.equal(add_rms_norm_cpu(xb, None, w.float(), 1e-6)[0], add_rms_norm_ref(xb, None, w.float(), 1e-6)[0])
     cos, sin = tables(8, 16)
-    q, k = torch.randn(2, 2, 16, generator=g).half(), torch.randn(2, 1, 16, generator=g).half()
+    q, k = torch.randn(2, 2, 16, generator=g).double(), torch.randn(2, 1, 16, generator=g).double()
     pos = torch.tensor([1, 5])
     assert all(torch.equal(a, b) for a, b in zip(rotary_cpu(pos, q, k, cos, sin), rotary_ref(pos, q, k, cos, sin)))
+
+
+HALVES = [torch.bfloat16, torch.float16]
+
+
+def ulp(dtype):
+    return 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("rows", [1, 300])
+@pytest.mark.parametrize("dim", [8, 100, 512])
+def test_add_rms_norm_16_bit(dtype, rows, dim):
+    g = torch.Generator().manual_seed(rows + dim)
+    x, res = (torch.randn(rows, dim, generator=g) * 3).to(dtype), torch.randn(rows, dim, generator=g).to(dtype)
+    w = torch.randn(dim, generator=g).to(dtype)
+    for r in (res, None):
+        out, h = add_rms_norm_cpu(x, r, w, 1e-6)
+        want_out, want_h = add_rms_norm_ref(x, r, w, 1e-6)
+        assert out.dtype == h.dtype == dtype
+        assert torch.equal(h, want_h)          # one add in fp32, rounded as torch rounds it
+        # the reference's roundings are made too: only the sum of squares' order differs, which
+        # can flip the rounding of the normalised row by an ulp, and so the output by two
+        torch.testing.assert_close(out.float(), want_out.float(), rtol=4 * ulp(dtype), atol=1e-6)
+        # and against the same arithmetic in fp32 on the 16-bit inputs: within two roundings
+        f32 = add_rms_norm_ref(x.float(), None if r is None else r.float(), w.float(), 1e-6)[0]
+        torch.testing.assert_close(out.float(), f32, rtol=3 * ulp(dtype), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("rows", [1, 300])
+def test_rotary_16_bit(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    hq, hk, d = 8, 2, 64
+    qkv = torch.randn(rows, (hq + 2 * hk) * d, generator=g).to(dtype)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.reshape(rows, hq, d), k.reshape(rows, hk, d)
+    v_before = v.clone()
+    cos, sin = tables(4096, d)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    want_q, want_k = rotary_ref(positions, q.float(), k.float(), cos, sin)     # fp32 math, 16-bit inputs
+    got_q, got_k = rotary_cpu(positions, q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr() and got_q.dtype == dtype
+    # one rounding of the fp32 result: within an ulp of the rounded fp32 reference (the kernel's
+    # fp32 x*c - y*s may be fused, which moves a value near a tie across it)
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=2 * ulp(dtype), atol=1e-6)
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_write_kv_cache_16_bit(dtype):
+    g = torch.Generator().manual_seed(9)
+    blocks, bs, h, d = 48, 8, 2, 16
+    key, value = torch.randn(300, h, d, generator=g).to(dtype), torch.randn(300, h, d, generator=g).to(dtype)
+    slots = torch.randperm(blocks * bs, generator=g)[:300]
+    slots[::3] = -1
+    caches = []
+    for _ in range(2):
+        kc, vc = new_kv_cache(blocks, bs, h, d, dtype, "cpu"), new_kv_cache(blocks, bs, h, d, dtype, "cpu")
+        kc.fill_(float("nan")), vc.fill_(float("nan"))           # unwritten slots stay NaN in both
+        caches.append((kc, vc))
+    write_kv_cache_cpu(key, value, *caches[0], slots)
+    write_kv_cache_ref(key, value, *caches[1], slots)
+    for a, b in zip(caches[0], caches[1]):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("rows", [1, 300])
+@pytest.mark.parametrize("inter", [8, 1408, 13])
+def test_silu_mul_16_bit(dtype, rows, inter):
+    g = torch.Generator().manual_seed(rows + inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 6).to(dtype)
+    gate_up[0, 0], gate_up[0, 1] = -200.0, 200.0
+    gate, up = gate_up.float().split(inter, dim=-1)
+    got = silu_mul_cpu(gate_up)
+    assert got.dtype == dtype
+    # computed in fp32 and rounded once: the rounded fp32 result, give or take the tie
+    torch.testing.assert_close(got.float(), (F.silu(gate) * up).to(dtype).float(), rtol=ulp(dtype), atol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 300])

@@ -7,7 +7,9 @@
  * scores over the visible keys into a scratch row, softmax, then the weighted sum of values.
  * The pool is walked block by block through the block table: no gather, no padding.
  *
- * fp32 only; head_dim a multiple of 8. Plain C with GCC vector extensions (AVX2 with
+ * q, out and the pool fp32, bf16 or fp16 (all one `kind`, convert.h): 16-bit rows are widened as
+ * they are loaded and everything is summed in fp32; the output is rounded once. head_dim a
+ * multiple of 8. Plain C with GCC vector extensions (AVX2 with
  * -march=native, SSE otherwise); no -ffast-math, so NaN/inf behave as in torch.
  */
 #include <math.h>
@@ -16,6 +18,7 @@
 #include <string.h>
 
 #include "attention_cpu.h"
+#include "convert.h"
 #include "thread_pool.h"
 #include "vec.h"
 
@@ -31,7 +34,7 @@ typedef struct {
      * prefix, whose unnormalised output and (max, sum) per (token, head) are merged here */
     const int32_t *prefix;
     const float *part_o, *part_ml;
-    int hq, hkv, d, bs, window, heads_per_item;
+    int hq, hkv, d, bs, window, heads_per_item, kind;
     float scale, softcap;
     const int64_t *items; int64_t n_items;
     int64_t next;
@@ -39,9 +42,9 @@ typedef struct {
 
 /* The next block's rows for this head: the pool is read block by block in table order, which a
  * hardware prefetcher cannot follow across blocks. */
-static inline void prefetch_block(const float *p, int bs, int64_t st, int D) {
+static inline void prefetch_block(const char *p, int bs, int64_t st, int D, int es) {
     for (int t = 0; t < bs; t++)
-        for (int c = 0; c < D; c += 16) __builtin_prefetch(p + t * st + c, 0, 3);
+        for (int c = 0; c < D * es; c += 64) __builtin_prefetch(p + (t * st) * es + c, 0, 3);
 }
 
 /* r[i] = sum of the lanes of a[i], for 8 vectors at once (a transpose by shuffles). */
@@ -59,7 +62,10 @@ static inline v8 hsum8x8(const v8 *a) {
 
 /* D is a constant in each instantiation (64, 128, or any multiple of 8), so that a row's
  * query and accumulator stay in registers. */
-static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64_t item, float *scores, const int D) {
+static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64_t item, float *scores, const int D,
+                                                              const int kind) {
+    const int64_t es = kind_size(kind);
+    const char *qs = (const char *)j->p.q, *ks = (const char *)j->p.k, *vs = (const char *)j->p.v;
     int64_t s = item >> 32;
     int tile = (int)((item >> 8) & 0xFFFFFF);
     const int h0 = (int)(item & 0xFF) * j->heads_per_item, nh = j->heads_per_item;
@@ -81,8 +87,8 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
     for (int hl = 0; hl < nh; hl++)
         for (int t = 0; t < nt; t++)
             for (int g = 0; g < G; g++) {
-                const float *src = j->p.q + (int64_t)(q0 + r0 + t) * j->p.q_st + (int64_t)((h0 + hl) * G + g) * j->p.q_sh;
-                memcpy(qbuf + (hl * hrows + t * G + g) * D, src, sizeof(float) * D);
+                const char *src = qs + ((int64_t)(q0 + r0 + t) * j->p.q_st + (int64_t)((h0 + hl) * G + g) * j->p.q_sh) * es;
+                row_to_f32(qbuf + (hl * hrows + t * G + g) * D, src, D, kind);
             }
 
     /* pass 1: scaled scores, eight keys at a time where a block has them */
@@ -92,8 +98,8 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
         int t1 = (b + 1) * bs - 1 > hi ? hi - b * bs : bs - 1;
         for (int hl = 0; hl < nh; hl++) {
         const int h = h0 + hl;
-        const float *kb = j->p.k + (int64_t)table[b] * j->p.k_sb + (int64_t)h * j->p.k_sh;
-        if (b + 2 <= hi / bs) prefetch_block(j->p.k + (int64_t)table[b + 2] * j->p.k_sb + (int64_t)h * j->p.k_sh, bs, j->p.k_st, D);
+        const char *kb = ks + ((int64_t)table[b] * j->p.k_sb + (int64_t)h * j->p.k_sh) * es;
+        if (b + 2 <= hi / bs) prefetch_block(ks + ((int64_t)table[b + 2] * j->p.k_sb + (int64_t)h * j->p.k_sh) * es, bs, j->p.k_st, D, es);
         for (int r = hl * hrows; r < (hl + 1) * hrows; r++) {
             const float *qr = qbuf + r * D;
             float *srow = scores + r * stride + b * bs - lo;
@@ -101,16 +107,16 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
             for (; t + 8 <= t1 + 1; t += 8) {
                 v8 acc[8];
                 for (int u = 0; u < 8; u++) {
-                    const float *kr = kb + (int64_t)(t + u) * j->p.k_st;
-                    acc[u] = load8(qr) * load8(kr);
-                    for (int c = 8; c < D; c += 8) acc[u] += load8(qr + c) * load8(kr + c);
+                    const char *kr = kb + (int64_t)(t + u) * j->p.k_st * es;
+                    acc[u] = load8(qr) * load8_kind(kr, 0, kind);
+                    for (int c = 8; c < D; c += 8) acc[u] += load8(qr + c) * load8_kind(kr, c, kind);
                 }
                 *(v8u *)(srow + t) = hsum8x8(acc) * vscale;
             }
             for (; t <= t1; t++) {
-                const float *kr = kb + (int64_t)t * j->p.k_st;
-                v8 acc = load8(qr) * load8(kr);
-                for (int c = 8; c < D; c += 8) acc += load8(qr + c) * load8(kr + c);
+                const char *kr = kb + (int64_t)t * j->p.k_st * es;
+                v8 acc = load8(qr) * load8_kind(kr, 0, kind);
+                for (int c = 8; c < D; c += 8) acc += load8(qr + c) * load8_kind(kr, c, kind);
                 srow[t] = hsum8(acc) * j->scale;
             }
         }
@@ -154,17 +160,17 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
         int t1 = (b + 1) * bs - 1 > hi ? hi - b * bs : bs - 1;
         for (int hl = 0; hl < nh; hl++) {
         const int h = h0 + hl;
-        const float *vb = j->p.v + (int64_t)table[b] * j->p.v_sb + (int64_t)h * j->p.v_sh;
-        if (b + 2 <= hi / bs) prefetch_block(j->p.v + (int64_t)table[b + 2] * j->p.v_sb + (int64_t)h * j->p.v_sh, bs, j->p.v_st, D);
+        const char *vb = vs + ((int64_t)table[b] * j->p.v_sb + (int64_t)h * j->p.v_sh) * es;
+        if (b + 2 <= hi / bs) prefetch_block(vs + ((int64_t)table[b + 2] * j->p.v_sb + (int64_t)h * j->p.v_sh) * es, bs, j->p.v_st, D, es);
         for (int r = hl * hrows; r < (hl + 1) * hrows; r++) {
             const float *prow = scores + r * stride + b * bs - lo;
             float *ar = acc + r * D;
             v8 a[MAX_D / 8];
             for (int c = 0; c < D; c += 8) a[c / 8] = load8(ar + c);
             for (int t = t0; t <= t1; t++) {
-                const float *vr = vb + (int64_t)t * j->p.v_st;
+                const char *vr = vb + (int64_t)t * j->p.v_st * es;
                 v8 p = splat(prow[t]);
-                for (int c = 0; c < D; c += 8) a[c / 8] += load8(vr + c) * p;
+                for (int c = 0; c < D; c += 8) a[c / 8] += load8_kind(vr, c, kind) * p;
             }
             for (int c = 0; c < D; c += 8) *(v8u *)(ar + c) = a[c / 8];
         }
@@ -172,21 +178,29 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *j, int64
     }
     for (int r = 0; r < rows; r++) {
         int t = (r % hrows) / G, g = r % G, h = h0 + r / hrows;
-        float *dst = j->p.out + (int64_t)(q0 + r0 + t) * j->p.o_st + (int64_t)(h * G + g) * j->p.o_sh;
+        char *dst = (char *)j->p.out + ((int64_t)(q0 + r0 + t) * j->p.o_st + (int64_t)(h * G + g) * j->p.o_sh) * es;
+        float res[MAX_D] __attribute__((aligned(32)));
         if (j->prefix && j->prefix[s] > 0) {
             const int64_t row = (int64_t)(q0 + r0 + t) * j->hq + h * G + g;
-            merge_partials(dst, j->part_o + row * D, j->part_ml[row * 2], j->part_ml[row * 2 + 1], acc + r * D,
+            merge_partials(res, j->part_o + row * D, j->part_ml[row * 2], j->part_ml[row * 2 + 1], acc + r * D,
                            mx[r], tot[r], D);
         } else {
-            for (int c = 0; c < D; c++) dst[c] = acc[r * D + c] * inv[r];
+            for (int c = 0; c < D; c++) res[c] = acc[r * D + c] * inv[r];
         }
+        row_from_f32(dst, res, D, kind);
     }
 }
 
+static void run_item_kind(const Job *j, int64_t item, float *scores, const int kind) {
+    if (j->d == 64) run_item_d(j, item, scores, 64, kind);
+    else if (j->d == 128) run_item_d(j, item, scores, 128, kind);
+    else run_item_d(j, item, scores, j->d, kind);
+}
+
 static void run_item(const Job *j, int64_t item, float *scores) {
-    if (j->d == 64) run_item_d(j, item, scores, 64);
-    else if (j->d == 128) run_item_d(j, item, scores, 128);
-    else run_item_d(j, item, scores, j->d);
+    if (j->kind == KIND_F32) run_item_kind(j, item, scores, KIND_F32);
+    else if (j->kind == KIND_BF16) run_item_kind(j, item, scores, KIND_BF16);
+    else run_item_kind(j, item, scores, KIND_F16);
 }
 
 static void attention_task(void *arg, int id, int threads) {
@@ -216,20 +230,22 @@ static void attention_task(void *arg, int id, int threads) {
 
 /* Returns 0 on success; items are (seq << 32) | (tile << 8) | kv_head, heaviest first; spin:
  * whether the pool's threads spin after this job (a small step's, see thread_pool.h). */
-int paged_attention_cpu(const float *q, int64_t q_st, int64_t q_sh,
-                        float *out, int64_t o_st, int64_t o_sh,
-                        const float *k, int64_t k_sb, int64_t k_st, int64_t k_sh,
-                        const float *v, int64_t v_sb, int64_t v_st, int64_t v_sh,
+int paged_attention_cpu(const void *q, int64_t q_st, int64_t q_sh,
+                        void *out, int64_t o_st, int64_t o_sh,
+                        const void *k, int64_t k_sb, int64_t k_st, int64_t k_sh,
+                        const void *v, int64_t v_sb, int64_t v_st, int64_t v_sh,
                         const int32_t *bt, int64_t bt_s,
                         const int32_t *seq_lens, const int32_t *qsl,
                         const float *sinks, const int32_t *prefix, const float *part_o,
                         const float *part_ml, int hq, int hkv, int d, int bs, int window,
                         float scale, float softcap, int heads_per_item,
-                        const int64_t *items, int64_t n_items, int threads, int spin) {
-    if (d % 8 || d > MAX_D || hq % hkv || heads_per_item < 1 || hkv % heads_per_item
+                        const int64_t *items, int64_t n_items, int kind, int threads, int spin) {
+    if (d % 8 || d > MAX_D || hq % hkv || heads_per_item < 1 || hkv % heads_per_item || kind < KIND_F32 || kind > KIND_F16
         || (hq / hkv) * heads_per_item * QTILE > MAX_ROWS) return 1;
-    Job j = {{q, q_st, q_sh, out, o_st, o_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh, bt, bt_s},
-             seq_lens, qsl, sinks, prefix, part_o, part_ml, hq, hkv, d, bs, window, heads_per_item, scale,
+    /* Paged's pointers are typed for the fp32 kernels; here they are read as `kind` */
+    Job j = {{(const float *)q, q_st, q_sh, (float *)out, o_st, o_sh, (const float *)k, k_sb, k_st, k_sh,
+              (const float *)v, v_sb, v_st, v_sh, bt, bt_s},
+             seq_lens, qsl, sinks, prefix, part_o, part_ml, hq, hkv, d, bs, window, heads_per_item, kind, scale,
              softcap, items, n_items, 0};
     if ((int64_t)threads > n_items) threads = (int)n_items;
     pool_run(attention_task, &j, threads, spin);
