@@ -46,13 +46,42 @@ def parse_lora_modules(items) -> dict[str, str]:
     return out
 
 
+# CPU flags of native bf16 arithmetic: AVX512-BF16 dot products or AMX tiles (vLLM's CPU
+# backend decides on the same). Without them bf16 is converted to fp32 around every operation
+# and is slower than fp32 (bench/RESULTS.md, "bf16 on CPU").
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_auto_dtype(flags: set[str] | None = None) -> tuple[str, str]:
+    """(dtype, why) that --dtype auto takes on a CPU: bfloat16 where the CPU has native bf16
+    arithmetic, float32 elsewhere. flags: the CPU's flags (default: this CPU's)."""
+    flags = cpu_flags() if flags is None else flags
+    native = [f for f in CPU_BF16_FLAGS if f in flags]
+    if native:
+        return "bfloat16", f"dtype auto: bfloat16 on this CPU (native bf16 arithmetic: {', '.join(native)})"
+    return "float32", ("dtype auto: float32 on this CPU (no native bf16 arithmetic: none of "
+                       f"{', '.join(CPU_BF16_FLAGS)} in its flags)")
+
+
 @dataclass
 class EngineConfig:
     model: str                                  # Hugging Face checkpoint directory or hub id
     revision: Optional[str] = None              # hub ids: branch, tag or commit (default main)
     served_model_name: Optional[str] = None     # defaults to the directory's name
     device: str = "auto"                        # cpu | cuda | auto
-    dtype: str = "auto"                         # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"                         # auto: bfloat16 on CUDA; on CPU cpu_auto_dtype
     block_size: int = 16
     num_kv_blocks: Optional[int] = None
     kv_cache_memory: Optional[int | str] = None  # bytes or '2GiB'

@@ -24,6 +24,7 @@ import os
 import torch
 from safetensors import safe_open
 
+from pagoda.gpu_worker.core.config import cpu_auto_dtype
 from pagoda.gpu_worker.features.quantization import quant_layers, quantize_model
 from pagoda.gpu_worker.models.parallel import Shard, shard_slice, sharding
 from pagoda.gpu_worker.models.registry import MODEL_REGISTRY, model_class
@@ -35,10 +36,13 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU, bfloat16 on CUDA (float16 where bf16 is missing)."""
+    """auto: bfloat16 on CUDA (float16 where bf16 is missing); on a CPU bfloat16 where it has
+    native bf16 arithmetic, else float32 (config.cpu_auto_dtype, logged)."""
     if name == "auto":
         if device.type != "cuda":
-            return torch.float32
+            dtype, why = cpu_auto_dtype()
+            log.info("%s", why)
+            return _DTYPES[dtype]
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if name not in _DTYPES:
         raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16 (got {name!r})")
