@@ -11,6 +11,7 @@ import math
 import os
 import platform
 import random
+import subprocess
 import sys
 from dataclasses import dataclass, field
 
@@ -179,6 +180,29 @@ def hook_hf_cb_kv(processor, sampler: KVSampler, clock) -> None:
 
 
 # ---- reporting ---------------------------------------------------------------------------
+
+def lscpu_lines() -> list[str]:
+    """`lscpu`'s model name and flags, as report lines (the CPU kernels' choices depend on them)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return [f"- lscpu model name: {fields.get('Model name', '?').strip()}",
+            f"- lscpu flags: {fields.get('Flags', '?').strip()}"]
+
+
+def pagoda_cpu_kernels() -> str:
+    """What this process's pagoda computes a CPU step with: each tuned linear shape's
+    implementation per row bucket (parallel.tune_linears) and whether the C kernels built."""
+    from pagoda.gpu_worker.models import parallel
+    from pagoda.kernels import cpu_lib, cpu_tune
+    lin = "; ".join(f"{n}x{k} {str(dt).replace('torch.', '')}: "
+                    + ", ".join(f"<={b} {impl}" for b, impl in zip(cpu_tune.BUCKETS, picks))
+                    for (n, k, dt), picks in sorted(parallel._choices.items(), key=str))
+    return (f"C kernels {'built' if cpu_lib.available() else 'NOT built (torch reference)'}; "
+            f"PAGODA_CPU_GEMM={parallel._CPU_GEMM}; linears: {lin or 'none tuned'}")
+
 
 def machine() -> str:
     cpu = platform.processor() or platform.machine()

@@ -49,7 +49,7 @@ def child(args) -> None:
     from pagoda.gpu_worker.core.config import EngineConfig
     from pagoda.gpu_worker.core.outputs import NewRequest, ScheduledRequest, SchedulerOutput
     from pagoda.gpu_worker.runner.model_runner import ModelRunner
-    r = ModelRunner(EngineConfig(model=args.model_dir, device="cpu", dtype="float32", max_num_seqs=256,
+    r = ModelRunner(EngineConfig(model=args.model_dir, device="cpu", dtype=args.dtype, max_num_seqs=256,
                                  max_num_batched_tokens=max(4096, args.prefill), max_model_len=2048))
     bs = r.block_size
     nb = -(-max(args.context, args.prefill) // bs)
@@ -79,6 +79,8 @@ def child(args) -> None:
         result[kind] = dict(cpu_ms=(time.process_time() - c) / args.reps * 1e3,
                             wall_ms=(time.perf_counter() - w) / args.reps * 1e3,
                             load=os.getloadavg()[0])
+    from bench.common import pagoda_cpu_kernels
+    result["kernels"] = pagoda_cpu_kernels()
     print(json.dumps(result))
 
 
@@ -86,6 +88,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "float16"), default=["float32"],
+                    help="model dtypes to run each variant in (default float32)")
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=350)
     ap.add_argument("--prefill", type=int, default=2048)
@@ -100,26 +105,32 @@ def main(argv=None) -> None:
     if args.child:
         return child(args)
     sys.path.insert(0, REPO)
-    from bench.common import command_line, machine, markdown_table, now
+    from bench.common import command_line, lscpu_lines, machine, markdown_table, now
     from bench.vs_vllm import build_model
     if args.quick:
         args.batch, args.context, args.prefill, args.reps, args.rounds = 4, 40, 64, 2, 1
     model = build_model(os.path.join(args.cache_dir, "model-quick" if args.quick else "model"), args.quick)
-    rows = []
+    rows, kernels = [], {}
     for _ in range(args.rounds):
-        for name in args.variants:
-            env = {k: v for k, v in {**os.environ, **VARIANTS[name]}.items() if v is not None}
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--model-dir", model,
-                                  "--threads", str(args.threads), "--batch", str(args.batch), "--context",
-                                  str(args.context), "--prefill", str(args.prefill), "--reps", str(args.reps)],
-                                 env=env, capture_output=True, text=True, check=True)
-            res = json.loads(out.stdout.strip().splitlines()[-1])
-            rows.append([name] + [f"{res[k][f]:.1f}" if f != "load" else f"{res[k][f]:.1f}"
-                                  for k in ("decode", "prefill") for f in ("cpu_ms", "wall_ms", "load")])
-            print(f"# {name}: {res}", file=sys.stderr, flush=True)
+        for dtype in args.dtypes:
+            for name in args.variants:
+                env = {k: v for k, v in {**os.environ, **VARIANTS[name]}.items() if v is not None}
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--model-dir", model,
+                                      "--threads", str(args.threads), "--batch", str(args.batch), "--context",
+                                      str(args.context), "--prefill", str(args.prefill), "--reps", str(args.reps),
+                                      "--dtype", dtype], env=env, capture_output=True, text=True, check=True)
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                kernels[(name, dtype)] = res.pop("kernels")
+                rows.append([name, dtype] + [f"{res[k][f]:.1f}" for k in ("decode", "prefill")
+                                             for f in ("cpu_ms", "wall_ms", "load")])
+                print(f"# {name} {dtype}: {res}", file=sys.stderr, flush=True)
     print(f"{now()} on {machine()}; `{command_line()}`; {args.threads} threads, decode {args.batch} x "
           f"{args.context} tokens, prefill {args.prefill} tokens\n")
-    print(markdown_table(["variant", "decode CPU ms", "decode wall ms", "load", "prefill CPU ms",
+    print("\n".join(lscpu_lines()))
+    for (name, dtype), text in kernels.items():
+        print(f"- pagoda's CPU kernels ({name}, {dtype}): {text}")
+    print()
+    print(markdown_table(["variant", "dtype", "decode CPU ms", "decode wall ms", "load", "prefill CPU ms",
                           "prefill wall ms", "load"], rows))
 
 

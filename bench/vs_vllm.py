@@ -94,9 +94,9 @@ sys.meta_path[:] = [_Hiding(f) if hasattr(f, "find_spec") else f for f in sys.me
 
 # ---- the same requests and settings for both ------------------------------------------------
 
-def settings(threads: int) -> dict:
+def settings(threads: int, dtype: str = "float32") -> dict:
     return dict(kv_cache_bytes=512 * 1024 ** 2, threads=threads, max_num_seqs=256,
-                max_num_batched_tokens=4096, max_model_len=2048, dtype="float32",
+                max_num_batched_tokens=4096, max_model_len=2048, dtype=dtype,
                 enable_prefix_caching=True)
 
 
@@ -218,9 +218,11 @@ def run_pagoda(model: str, st: dict):
         result = drive(add, step, wl)
         assert engine.kv.pool.reset_prefix_cache(), "blocks still held after every request ended"
         return result
+    from bench.common import pagoda_cpu_kernels
     info = dict(engine="pagoda", version=getattr(gpu_worker, "__version__", "main"), torch=torch.__version__,
                 block_size=engine.block_size, kv_blocks=engine.num_blocks,
-                kv_tokens=engine.num_blocks * engine.block_size, torch_threads=torch.get_num_threads())
+                kv_tokens=engine.num_blocks * engine.block_size, torch_threads=torch.get_num_threads(),
+                kernels=pagoda_cpu_kernels())
     return info, run, lambda: None
 
 
@@ -377,9 +379,12 @@ def spread(xs: list[float], fmt: str = "{:,.0f}") -> str:
 
 
 def report(runs: dict[str, list[dict]], args, st: dict, wls: list[dict]) -> str:
-    from bench.common import command_line, machine, markdown_table, now
+    from bench.common import command_line, lscpu_lines, machine, markdown_table, now
     v, p = runs.get("vllm", []), runs.get("pagoda", [])
-    lines = [f"{now()} on {machine()}; `{command_line()}`", ""]
+    lines = [f"{now()} on {machine()}; `{command_line()}`", "", *lscpu_lines()]
+    if p:
+        lines.append(f"- pagoda's CPU kernels: {p[0].get('kernels', '?')}")
+    lines.append("")
     for name, rs in (("vLLM", v), ("pagoda", p)):
         if rs:
             r = rs[0]
@@ -440,6 +445,8 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny model and sizes, one round: a smoke run")
     ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     ap.add_argument("--threads", type=int, default=2, help="threads for each engine (default 2)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the model's dtype in both engines (default float32)")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM_PYTHON),
                     help=f"vLLM's interpreter (default $VLLM_PYTHON, else {DEFAULT_VLLM_PYTHON})")
     ap.add_argument("--cache-dir", default=os.path.join(
@@ -465,7 +472,7 @@ def main(argv=None) -> None:
     rounds = 1 if args.quick else args.rounds
     model = args.model_dir or os.path.join(args.cache_dir, "model-quick" if args.quick else "model")
     build_model(model, args.quick)
-    st = settings(args.threads)
+    st = settings(args.threads, args.dtype)
     wls = [w for w in workloads(QUICK_VOCAB if args.quick else VOCAB, args.quick) if w["name"] in args.workloads]
     runs: dict[str, list[dict]] = {e: [] for e in args.engines}
     with tempfile.TemporaryDirectory(prefix="vs_vllm-") as run_dir:
