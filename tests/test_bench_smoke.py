@@ -116,6 +116,9 @@ def test_vs_vllm_pagoda_side(tmp_path):
     rows = {r["workload"]: r for r in table_rows(out, "workload")}
     assert rows["greedy"]["vLLM tok/s"] == "n/a" and float(rows["greedy"]["pagoda tok/s"].replace(",", "")) > 0
     assert float(rows["greedy"]["pagoda CPU ms/token"]) > 0 and rows["greedy"]["vLLM CPU ms/token"] == "n/a"
+    # The machine and what pagoda chose on it head the report.
+    assert "- lscpu model name: " in out and "- lscpu flags: " in out
+    assert "- pagoda's CPU kernels: C kernels built; PAGODA_CPU_GEMM=auto; linears: " in out
 
 
 @pytest.mark.timeout(240)
@@ -123,8 +126,9 @@ def test_cpu_forward_quick(tmp_path):
     out = run_script("cpu_forward.py", "--cache-dir", str(tmp_path), "--variants", "spin", "passive",
                      timeout=200)
     rows = {r["variant"]: r for r in table_rows(out, "variant")}
-    assert set(rows) == {"spin", "passive"}
+    assert set(rows) == {"spin", "passive"} and all(r["dtype"] == "float32" for r in rows.values())
     assert all(float(r["decode CPU ms"]) > 0 and float(r["prefill wall ms"]) > 0 for r in rows.values())
+    assert "- lscpu flags: " in out and "- pagoda's CPU kernels (passive, float32): C kernels built" in out
 
 
 def test_vs_vllm_tree_cpu_seconds():
