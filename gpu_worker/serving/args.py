@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrent-streams", type=int, default=2048,
                    help="HTTP/2 streams one connection may hold open (the router multiplexes on one)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    g = p.add_argument_group("KV transfer between workers (gpu_worker/serving/kv_transfer.py)")
+    g.add_argument("--kv-peer-api-key-file", default=None,
+                   help="file holding the key sent to peers when fetching KV blocks (an admin key in their "
+                        "--api-keys-file)")
+    g.add_argument("--kv-fetch-max-blocks", type=_positive_int, default=512,
+                   help="most blocks one fetch moves, served or pulled")
+    g.add_argument("--kv-fetch-timeout", type=float, default=10.0,
+                   help="seconds a fetch may take before the request recomputes instead")
     limits.add_flags(p)
     security.add_flags(p, worker_side=True)
     return p

@@ -8,7 +8,7 @@ on a step (serving/async_llm.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncGenerator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Optional, Protocol
 
 from pagoda.gpu_worker.core.sampling_params import SamplingParams
 from pagoda.runtime.tokenization import PromptTokenizer
@@ -64,6 +64,8 @@ class EngineClient(EngineReport, Protocol):
                  priority: int = 0, cache_salt: str = "", adapter: str = "") -> AsyncGenerator[StreamDelta, None]: ...
 
     async def abort(self, request_id: str) -> bool: ...
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any: ...     # fn(engine) on the engine's thread
 
     async def load_lora_adapter(self, name: str, path: str) -> list[str]: ...
 

@@ -32,6 +32,7 @@ from pagoda.gpu_worker.runner.distributed import RankFailure
 from pagoda.gpu_worker.serving import args as worker_args
 from pagoda.gpu_worker.serving.async_llm import AsyncLLM, QueueFullError
 from pagoda.gpu_worker.serving.engine_client import EngineClient
+from pagoda.gpu_worker.serving.kv_transfer import KVFetcher, serve_fetch
 from pagoda.gpu_worker.serving.metrics import WorkerMetrics
 from pagoda.protos import redis_schema as rs
 from pagoda.protos.limits import Limits, check_fits, check_request
@@ -45,6 +46,7 @@ from pagoda.runtime.security import (
     KeyRing,
     acting_identity,
     grant_of,
+    read_key,
     scoped_id,
     scoped_salt,
     server_credentials,
@@ -89,8 +91,10 @@ class _NotFound(Exception):
 class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
     def __init__(self, engine: EngineClient, worker_id: str, metrics=None,
                  health_servicer: Optional[health.aio.HealthServicer] = None, on_drain=None,
-                 limits: Limits = Limits(), keyring: Optional[KeyRing] = None):
+                 limits: Limits = Limits(), keyring: Optional[KeyRing] = None,
+                 kv_fetcher: Optional[KVFetcher] = None):
         self.engine, self.worker_id, self.limits = engine, worker_id, limits
+        self.kv_fetcher = kv_fetcher or KVFetcher(engine.model_name)
         # The engine's tokenizer, the process's only one: prompts, served texts, digest, grammars.
         self.tokenizer: PromptTokenizer = engine.tokenizer
         self.keyring = keyring
@@ -132,6 +136,9 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         assert task is not None   # gRPC handlers run as tasks
         self.active.add(task)
         try:
+            if request.HasField("kv_fetch"):    # the prefix a peer holds, before this prefill
+                await self.kv_fetcher.fetch(self.engine, ids, request.kv_fetch,
+                                            scoped_salt(ident, request.cache_salt), request.adapter)
             async for resp in self._stream(rid, field, ids, params, request, context, ident):
                 resp.request_id = rid          # the caller's id, not the tenant-scoped one
                 yield resp
@@ -276,6 +283,10 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         log.info("LoRA adapter %r unloaded", request.lora_name)
         return pb.LoRAAdaptersResponse(adapters=names)
 
+    async def FetchKVBlocks(self, request, context):
+        async for resp in serve_fetch(self.engine, self.model_name, request, context, self.kv_fetcher.max_blocks):
+            yield resp
+
     async def Drain(self, request, context):
         await self.start_drain()
         return pb.DrainResponse(running=len(self.active))
@@ -316,6 +327,10 @@ class Worker:
         a = self.args
         # Every port and credential first: a mistake is reported before the slow model load.
         creds, self.keyring = _security(a)
+        try:
+            self.peer_key = read_key(a.kv_peer_api_key_file) if a.kv_peer_api_key_file else None
+        except (OSError, ValueError) as e:
+            raise StartupError(f"--kv-peer-api-key-file: {e}") from None
         interceptors = [AuthInterceptor(self.keyring, grants=True)] if self.keyring else []
         self.server = grpc.aio.server(options=server_options(a.max_concurrent_streams), interceptors=interceptors)
         self.port = bind(self.server, a.host, a.port, "--port", creds)
@@ -330,9 +345,10 @@ class Worker:
             self.metrics = WorkerMetrics(engine.stats, engine.model_name, a.metrics_prefix)
             self.metrics.serve(a.host, metrics_port)
         health_servicer = health.aio.HealthServicer()
+        fetcher = KVFetcher(engine.model_name, self.peer_key, a.kv_fetch_max_blocks, a.kv_fetch_timeout)
         self.service = WorkerService(engine, self.worker_id, self.metrics, health_servicer,
                                      on_drain=self._stop_publisher, limits=Limits.from_args(a),
-                                     keyring=self.keyring)
+                                     keyring=self.keyring, kv_fetcher=fetcher)
         pb_grpc.add_GenerationServicer_to_server(self.service, self.server)
         pb_grpc.add_AdminServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
@@ -399,6 +415,7 @@ class Worker:
         await self.server.stop(0.5)
         at_stage(deadline, "publisher stop")
         await self._stop_publisher()
+        await self.service.kv_fetcher.close()
         at_stage(deadline, "engine shutdown")
         await self.engine.shutdown()
         if self.metrics is not None:

@@ -96,7 +96,7 @@ class StructuredOutput(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "messages", "token_ids", "sampling", "priority", "cache_salt", "adapter", "add_generation_prompt")
+    __slots__ = ("request_id", "model", "text", "messages", "token_ids", "sampling", "priority", "cache_salt", "adapter", "add_generation_prompt", "kv_fetch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    KV_FETCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -117,7 +118,16 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     adapter: str
     add_generation_prompt: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., adapter: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+    kv_fetch: KVFetchHint
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., adapter: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., kv_fetch: _Optional[_Union[KVFetchHint, _Mapping]] = ...) -> None: ...
+
+class KVFetchHint(_message.Message):
+    __slots__ = ("source_address", "num_blocks")
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    source_address: str
+    num_blocks: int
+    def __init__(self, source_address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token")
@@ -306,3 +316,39 @@ class RouteResponse(_message.Message):
     grant: bytes
     expires_at: float
     def __init__(self, worker_address: _Optional[str] = ..., worker_id: _Optional[str] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., grant: _Optional[bytes] = ..., expires_at: _Optional[float] = ...) -> None: ...
+
+class FetchKVBlocksRequest(_message.Message):
+    __slots__ = ("model", "block_hashes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, model: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KVLayout(_message.Message):
+    __slots__ = ("block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "num_blocks")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_blocks: int
+    def __init__(self, block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class FetchKVBlocksResponse(_message.Message):
+    __slots__ = ("layout", "block_hash", "kv", "digest")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    block_hash: bytes
+    kv: bytes
+    digest: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hash: _Optional[bytes] = ..., kv: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...

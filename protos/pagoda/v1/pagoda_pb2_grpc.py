@@ -265,6 +265,11 @@ class AdminStub:
                 request_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
                 _registered_method=True)
+        self.FetchKVBlocks = channel.unary_stream(
+                '/pagoda.v1.Admin/FetchKVBlocks',
+                request_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.FetchKVBlocksRequest.SerializeToString,
+                response_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.FetchKVBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -304,6 +309,15 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchKVBlocks(self, request, context):
+        """KV that moves (worker to worker): stream the leading blocks of `block_hashes` that this
+        worker holds in its device prefix cache, in chain order, one block per response after a
+        first response with the layout. Stops at the first hash it lacks. Admin key only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -331,6 +345,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.SerializeToString,
+            ),
+            'FetchKVBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchKVBlocks,
+                    request_deserializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.FetchKVBlocksRequest.FromString,
+                    response_serializer=pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.FetchKVBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -468,6 +487,33 @@ class Admin:
             '/pagoda.v1.Admin/UnloadLoRAAdapter',
             pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.LoRAAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchKVBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagoda.v1.Admin/FetchKVBlocks',
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.FetchKVBlocksRequest.SerializeToString,
+            pagoda_dot_protos_dot_pagoda_dot_v1_dot_pagoda__pb2.FetchKVBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
