@@ -5,8 +5,8 @@ Transport: Admin.FetchKVBlocks, a gRPC server-streaming call on the worker's own
 block per message (K then V of every layer, raw, in the pool's dtype). What was tried first
 (2026-12, this CPU host, torch 2.13+cpu, `pip install --dry-run` then `--target` a scratch folder):
 - mooncake-transfer-engine 0.3.13.post1 resolves, but its module fails to import without CUDA
-  (`libcudart.so.12: cannot open shared object file`); the -non-cuda variant is noted in the
-  results (bench/RESULTS.md, "KV transfer").
+  (`libcudart.so.12: cannot open shared object file`); its -non-cuda build fails without RDMA
+  verbs (`libibverbs.so.1`), so its TCP transport never got to run here.
 - nixl 1.5.1 resolves (nixl-cu12 + nixl-cu13 wheels, ~130 MB) and a UCX agent starts on CPU. Not
   taken in phase 1: its one-sided reads of registered pool memory sit outside the worker keys
   (a control plane that authenticates and names the blocks is needed anyway, and this call is
@@ -126,8 +126,8 @@ class PlanImport:
     adapter: str
 
     def __call__(self, engine: LLMEngine) -> Optional[ImportPlan]:
-        if not _transferable(engine):
-            return None
+        if not _transferable(engine) or len(self.token_ids) > engine.max_model_len:
+            return None     # (a prompt the engine will refuse anyway)
         key = ""
         if self.adapter:
             engine._check_adapter(self.adapter)
@@ -270,7 +270,7 @@ class KVFetcher:
         num_ok, t0 = 0, time.monotonic()
         try:
             num_ok = await asyncio.wait_for(self._pull(engine, hint.source_address, plan), self.timeout_s)
-        except (FetchError, grpc.RpcError, asyncio.TimeoutError) as e:
+        except Exception as e:      # whatever broke (refused, deadline, bytes): recompute instead
             num_ok = getattr(e, "num_ok", 0)
             self.failed += 1
             log.warning("kv fetch from %s: %s; recomputing from block %d", hint.source_address,
