@@ -96,15 +96,21 @@ def cache_dir() -> Path:
     return Path(base) / "pagoda" / "kernels"
 
 
-def spin_us() -> int:
-    raw = os.environ.get("PAGODA_CPU_SPIN_US", str(DEFAULT_SPIN_US))
+def env_number(name: str, default: float, parse, low: float, high: float, what: str):
+    """An environment variable read as a number within [low, high]; ValueError naming it otherwise."""
+    raw = os.environ.get(name, str(default))
     try:
-        value = int(raw)
+        value = parse(raw)
     except ValueError:
-        value = -1
-    if not 0 <= value <= 1_000_000:
-        raise ValueError(f"PAGODA_CPU_SPIN_US: must be an integer from 0 to 1000000 microseconds (got {raw!r})")
+        value = None
+    if value is None or not low <= value <= high:
+        raise ValueError(f"{name}: must be {what} (got {raw!r})")
     return value
+
+
+def spin_us() -> int:
+    return env_number("PAGODA_CPU_SPIN_US", DEFAULT_SPIN_US, int, 0, 1_000_000,
+                      "an integer from 0 to 1000000 microseconds")
 
 
 def kernel_threads() -> int:

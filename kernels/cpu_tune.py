@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from pagoda.kernels.cpu_lib import cache_dir
+from pagoda.kernels.cpu_lib import cache_dir, env_number
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,7 @@ def choose(timings: dict[str, float]) -> str:
 
 
 def budget_s() -> float:
-    raw = os.environ.get("PAGODA_CPU_TUNE_BUDGET_S", str(DEFAULT_BUDGET_S))
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 3600:
-        raise ValueError(f"PAGODA_CPU_TUNE_BUDGET_S: must be seconds from 0 to 3600 (got {raw!r})")
-    return value
+    return env_number("PAGODA_CPU_TUNE_BUDGET_S", DEFAULT_BUDGET_S, float, 0, 3600, "seconds from 0 to 3600")
 
 
 def cpu_identity(cpuinfo: str | None = None) -> tuple[str, str]:
