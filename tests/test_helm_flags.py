@@ -78,8 +78,14 @@ def test_every_flag_the_chart_passes_is_accepted(case):
         parse(c["command"][1], resolved_args(docs, c))
 
 
+# Worker flags the chart does not pass yet, each with its reason. KV transfer (phase 1) moves blocks
+# only when a request carries a fetch hint, and no router sets one yet: the chart gains these
+# values (and a secret for the peer key) with the router's side.
+NOT_IN_CHART_YET = {"--kv-peer-api-key-file", "--kv-fetch-max-blocks", "--kv-fetch-timeout"}
+
+
 def option_strings(parser) -> set[str]:
-    return {s for a in parser._actions for s in a.option_strings if s.startswith("--")} - {"--help"}
+    return {s for a in parser._actions for s in a.option_strings if s.startswith("--")} - {"--help"} - NOT_IN_CHART_YET
 
 
 def test_values_map_one_to_one_onto_flags():
