@@ -9,6 +9,10 @@ from pagoda.router.tools import PARSERS
 from pagoda.runtime import security
 from pagoda.runtime.cli_help import DefaultsHelpFormatter
 
+# Python's JSON parser recurses once per level and stops near the interpreter's recursion limit
+# (1000, less the frames beneath it), so a deeper bound could never be reached.
+MAX_JSON_DEPTH = 512
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagoda router",
@@ -41,10 +45,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a worker's block snapshot in Redis larger than this is refused unread")
     p.add_argument("--max-concurrent-streams", type=_positive, default=2048,
                    help="HTTP/2 streams one client connection may hold open")
+    http = p.add_argument_group("HTTP front limits (what one client can hold of the router)")
+    http.add_argument("--http-max-body-bytes", type=_positive, default=16 << 20,
+                      help="a request body larger than this is refused (413) after reading this much")
+    http.add_argument("--http-max-json-depth", type=_json_depth, default=64,
+                      help="JSON nested deeper than this (arrays and objects) is refused (400); at most "
+                           f"{MAX_JSON_DEPTH}")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     limits.add_flags(p)
     security.add_flags(p, worker_side=False)
     return p
+
+
+def _json_depth(value: str) -> int:
+    n = _positive(value)
+    if n > MAX_JSON_DEPTH:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_JSON_DEPTH} (got {n})")
+    return n
 
 
 def _positive(value: str) -> int:

@@ -89,7 +89,8 @@ class Router:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.http_port:
             from pagoda.router.openai.front import OpenAIFront  # lazy: aiohttp only with --http-port
-            self.http = OpenAIFront(self.pipeline, self.args.tool_call_parser)
+            from pagoda.router.openai.limits import HttpLimits  # lazy: as the front it configures
+            self.http = OpenAIFront(self.pipeline, self.args.tool_call_parser, HttpLimits.from_args(self.args))
             await self.http.start(self.host, self.http_port)
         self._sync_health = asyncio.create_task(self._report_sync())
         freeze_heap()

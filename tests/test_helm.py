@@ -392,6 +392,8 @@ SCHEMA_REFUSES = [
     ({"redis": {"password": "hunter2"}}, "'password'"),
     ({"router": {"policy": "random"}}, "/router/policy"),
     ({"router": {"metricsPort": 70000}}, "/router/metricsPort"),
+    ({"router": {"http": {"maxJsonDepth": 1000}}}, "/router/http/maxJsonDepth"),
+    ({"router": {"http": {"maxBodyByte": 5}}}, "'maxBodyByte'"),
     ({"workers": []}, "/workers"),
     ({"workers": [{**DEFAULT_GROUP, "name": "Bad_Name"}]}, "/workers/0"),
     ({"workerDefaults": {"gpuMemoryUtilization": 1.5}}, "/workerDefaults"),

@@ -17,6 +17,7 @@ from aiohttp import web
 from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 from pagoda.router import tools
 from pagoda.router.errors import RouterError
+from pagoda.router.openai.limits import limits_of
 from pagoda.router.tools import ToolError, ToolPlan, chat_messages
 
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -25,7 +26,8 @@ _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RA
                 grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
                 grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+               404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable_error"}
 # pagoda.v1 field names that an HTTP caller knows under another name.
 _PARAM_ALIASES = {"text": "prompt", "token_ids": "prompt"}
 
@@ -302,13 +304,38 @@ async def chat_ids(body: dict, pin, tool_list: list[dict] | None) -> list[int]:
 
 
 async def json_body(request: web.Request) -> dict:
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise ApiError(400, f"body: not valid JSON ({e})") from None
+    body = json_value(await request.read(), limits_of(request).max_json_depth)
     if not isinstance(body, dict):
         raise ApiError(400, "body: must be a JSON object")
     return body
+
+
+def json_value(raw: bytes, max_depth: int) -> Any:
+    """`raw` parsed as JSON (UTF-8, or UTF-16/32 by its first bytes), or ApiError: not JSON, or
+    arrays and objects nested deeper than `max_depth`."""
+    too_deep = ApiError(400, f"body: JSON nested deeper than {max_depth} levels (the router's "
+                             f"--http-max-json-depth)")
+    try:
+        value = json.loads(raw)
+    except RecursionError:             # the parser recurses per level: far too deep
+        raise too_deep from None
+    except ValueError as e:            # UnicodeDecodeError included
+        raise ApiError(400, f"body: not valid JSON ({e})") from None
+    # Fewer brackets than the bound cannot nest past it: most bodies skip the walk.
+    if raw.count(b"[") + raw.count(b"{") > max_depth and _depth_exceeds(value, max_depth):
+        raise too_deep
+    return value
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def refuse_unknown(body: dict, allowed: set[str]) -> None:
