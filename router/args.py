@@ -51,10 +51,28 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--http-max-json-depth", type=_json_depth, default=64,
                       help="JSON nested deeper than this (arrays and objects) is refused (400); at most "
                            f"{MAX_JSON_DEPTH}")
+    http.add_argument("--http-read-timeout", type=_seconds, default=30.0,
+                      help="seconds a client has to send a whole request (head and body) from its first "
+                           "byte, or from connecting for its first request; past it the connection closes")
+    http.add_argument("--http-idle-timeout", type=_seconds, default=75.0,
+                      help="seconds a kept-alive connection may sit with no request before it closes")
+    http.add_argument("--http-write-timeout", type=_seconds, default=30.0,
+                      help="seconds a stream may wait for its client to take more of it; past it the "
+                           "stream is aborted (on the worker too) and the connection closed")
+    http.add_argument("--http-send-buffer-bytes", type=_positive, default=256 << 10,
+                      help="kernel send buffer of each HTTP connection (Linux grows it up to 4 MiB "
+                           "otherwise): what a client that stops reading pins in the router")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     limits.add_flags(p)
     security.add_flags(p, worker_side=False)
     return p
+
+
+def _seconds(value: str) -> float:
+    x = float(value)
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {value})")
+    return x
 
 
 def _json_depth(value: str) -> int:

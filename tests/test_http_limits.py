@@ -1,13 +1,16 @@
 """The router's HTTP front against hostile clients (a real router and a stand-in worker on a real
 redis-server, loopback): bodies nested too deep, too large, not UTF-8, not JSON; a fuzz of every
-route the front registers with every method. Every answer is a 200 or a 4xx OpenAI error object,
-and the router serves a normal request after."""
+route the front registers with every method; request heads trickled in byte by byte (slowloris),
+bodies that never finish and connections that sit idle. Every answer is a 200 or a 4xx OpenAI
+error object, every such connection is closed within its timeout, and the router serves a normal
+request after."""
 from __future__ import annotations
 
 import asyncio
 import gzip
 import json
 import random
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -209,4 +212,56 @@ def test_fuzz_every_route_and_method_with_hostile_bodies(redis_server, start_fak
     asyncio.run(main())
     assert not failures, f"{len(failures)} bad answers, first: " + "\n".join(failures[:5])
     assert router.proc.poll() is None
+    normal_request_works(port)
+
+
+# -- slow and idle connections ------------------------------------------------------------------
+
+def closed_within(port: int, plan: list[tuple[bytes, float]]) -> tuple[float, bytes]:
+    """Send each chunk then wait its seconds, until the router closes the connection: -> (seconds
+    from connecting to the close, everything received), or (inf, received) if it never closed."""
+    s = socket.create_connection(("127.0.0.1", port))
+    t0, got = time.monotonic(), b""
+    try:
+        for chunk, wait in plan:
+            try:
+                if chunk:
+                    s.sendall(chunk)
+                end = time.monotonic() + wait
+                while (left := end - time.monotonic()) > 0:
+                    s.settimeout(left)
+                    try:
+                        data = s.recv(65536)
+                    except TimeoutError:
+                        break
+                    if not data:
+                        return time.monotonic() - t0, got
+                    got += data
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - t0, got
+        return float("inf"), got
+    finally:
+        s.close()
+
+
+def test_slowloris_slow_bodies_and_idle_connections_are_closed(redis_server, start_fake_worker, start_router):
+    router, port = http_router(redis_server, start_fake_worker, start_router, http_read_timeout=1.0,
+                               http_idle_timeout=1.5)
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 40 + b"\r\n\r\n"
+    # Headers byte by byte, 0.1 s apart: 6 s to send them all; the router closes at 1 s.
+    took, got = closed_within(port, [(head[i:i + 1], 0.1) for i in range(len(head))])
+    assert 0.9 < took < 2.0 and got == b"", (took, got)
+    # Head complete, then a body that trickles in: the same bound covers the body.
+    body_head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 200\r\n\r\n"
+    took, got = closed_within(port, [(body_head, 0.1)] + [(b"a", 0.1)] * 60)
+    assert 0.9 < took < 2.0 and got == b"", (took, got)
+    # A connection that never sends anything.
+    took, got = closed_within(port, [(b"", 6.0)])
+    assert 0.9 < took < 2.0, took
+    # Keep-alive: served, then idle until --http-idle-timeout.
+    took, got = closed_within(port, [(head, 6.0)])
+    assert got.startswith(b"HTTP/1.1 200") and 1.4 < took < 2.5, (took, got[:100])
+    # Two requests on one connection, each sent in time: both served, the idle clock restarting.
+    took, got = closed_within(port, [(head, 0.8), (head, 6.0)])
+    assert got.count(b"HTTP/1.1 200") == 2 and 2.1 < took < 3.5, (took, got[:100])
     normal_request_works(port)

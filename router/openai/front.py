@@ -51,12 +51,14 @@ class OpenAIFront:
         # handler_cancellation: a client that disconnects cancels its handler, and so its upstream call.
         self.runner = web.AppRunner(self.app, handler_cancellation=True)
         await self.runner.setup()
-        server, loop = self.runner.server, asyncio.get_running_loop()
+        server, loop, limits = self.runner.server, asyncio.get_running_loop(), self.limits
         assert server is not None
 
-        def connection() -> Connection:     # aiohttp's own handler, answering in error objects
+        def connection() -> Connection:     # aiohttp's own handler, with a deadline on each request
             # access_log None: no access log (aiohttp takes None, as AppRunner(access_log=None) does).
-            return Connection(server, loop=loop, access_log=None)  # type: ignore[arg-type]
+            return Connection(server, loop=loop, access_log=None,
+                              keepalive_timeout=limits.idle_timeout, read_timeout=limits.read_timeout,
+                              send_buffer_bytes=limits.send_buffer_bytes)
         self.listener = await loop.create_server(connection, host, port, reuse_address=True)
 
     async def stop(self) -> None:
@@ -80,14 +82,17 @@ class OpenAIFront:
 
 @web.middleware
 async def _bounded(request: web.Request, handler):
-    """The body read whole first, within the size bound; then the handler, with aiohttp's own
-    answers (no such route, a wrong method, a body too large) and anything unforeseen as OpenAI
-    error objects, not text."""
+    """The body read whole first, within the connection's read deadline and the size bound; then
+    the handler, with aiohttp's own answers (no such route, a wrong method, a body too large) and
+    anything unforeseen as OpenAI error objects, not text."""
+    conn = request.protocol
     try:
         try:
             await request.read()
         except (HttpProcessingError, web.RequestPayloadError) as e:    # malformed chunks or compression
             return ApiError(400, f"body: could not be read ({str(e).strip()})").response()
+        if isinstance(conn, Connection):
+            conn.request_read()
         return await handler(request)
     except web.HTTPException as e:
         if e.status < 400:
@@ -108,6 +113,9 @@ async def _bounded(request: web.Request, handler):
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         return ApiError(500, "internal error (logged by the router)").response()
+    finally:
+        if isinstance(conn, Connection):
+            conn.request_done()
 
 
 def _version() -> str:
