@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--http-send-buffer-bytes", type=_positive, default=256 << 10,
                       help="kernel send buffer of each HTTP connection (Linux grows it up to 4 MiB "
                            "otherwise): what a client that stops reading pins in the router")
+    http.add_argument("--http-batch-seqs-per-worker", type=_positive, default=32,
+                      help="a /v1/completions list of prompts keeps at most this many sequences (prompts "
+                           "times n) in flight per live worker of its model, the rest waiting in the "
+                           "router, so that one batch cannot queue a worker full ahead of other requests")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     limits.add_flags(p)
     security.add_flags(p, worker_side=False)

@@ -101,6 +101,7 @@ def test_values_map_one_to_one_onto_flags():
                    "first_token_timeout": 20, "max_snapshot_bytes": 1 << 24, "max_concurrent_streams": 512,
                    "http_max_body_bytes": 1 << 22, "http_max_json_depth": 32, "http_read_timeout": 12.5,
                    "http_idle_timeout": 40, "http_write_timeout": 15, "http_send_buffer_bytes": 1 << 17,
+                   "http_batch_seqs_per_worker": 16,
                    "max_n": 4, "max_id_bytes": 128, "tls_cert": "/etc/pagoda/tls/tls.crt",
                    "tls_client_ca": "/etc/pagoda/tls/ca.crt", "api_keys_file": "/etc/pagoda/api-keys/api-keys",
                    "worker_tls_ca": "/etc/pagoda/worker-tls/ca.crt", "worker_tls_key": "/etc/pagoda/worker-tls/tls.key",
@@ -154,7 +155,8 @@ def test_unset_values_leave_the_cli_defaults():
         parser, ns = parse(cmd, resolved_args(docs, c))
         defaults = parser.parse_args(["--model", "m"] if cmd == "worker" else ["--redis-url", "redis://x"])
         unset = ["index_max_blocks", "speculative_ttl", "max_attempts", "http_max_body_bytes", "http_max_json_depth",
-                 "http_read_timeout", "http_idle_timeout", "http_write_timeout", "http_send_buffer_bytes"] if cmd == "router" else \
+                 "http_read_timeout", "http_idle_timeout", "http_write_timeout", "http_send_buffer_bytes",
+                 "http_batch_seqs_per_worker"] if cmd == "router" else \
             ["num_kv_blocks", "kv_cache_memory", "max_model_len", "max_num_batched_tokens", "max_waiting",
              "heartbeat_interval", "snapshot_interval", "quantization",
              "stream_interval"]

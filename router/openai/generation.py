@@ -4,10 +4,12 @@ decision, retries and upstream gRPC stream as the gRPC front. A client that goes
 the handler, which cancels the upstream call, which aborts the request on the worker.
 
 /v1/completions as vLLM serves it: a list of prompts (strings or token-id lists) is that many
-independent requests, routed each on its own, whose choices are numbered prompt by prompt
-(prompt p's sequence j is choice p * n + j); `echo` puts the prompt before the completion, and
-with `logprobs` the prompt's tokens are scored by the engine (SamplingParams.prompt_logprobs),
-the first token's score null, as lm-eval's loglikelihood tasks read them.
+independent requests, each routed on its own as it starts, a window of them at a time (so that
+one batch cannot queue workers full ahead of other requests), whose choices are numbered prompt
+by prompt (prompt p's sequence j is choice p * n + j); `echo` puts the prompt before the
+completion, and with `logprobs` the prompt's tokens are scored by the engine
+(SamplingParams.prompt_logprobs), the first token's score null, as lm-eval's loglikelihood tasks
+read them.
 """
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ import contextlib
 import json
 import time
 import uuid
+from typing import AsyncGenerator, AsyncIterator, Callable
 
 from aiohttp import web
 
 from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 from pagoda.router.errors import RouterError
+from pagoda.router.openai.limits import limits_of
 from pagoda.router.openai.request import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ApiError,
@@ -80,22 +84,26 @@ class Generation(Serving):
         head = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": asked or reqs[0].model}
         sp = reqs[0].sampling
-        choices = Choices(kind, sp.n if sp.HasField("n") else 1, prompts, echo and sp.HasField("logprobs"),
-                          score_only)
-        async with contextlib.AsyncExitStack() as stack:
-            upstreams = [await stack.enter_async_context(contextlib.aclosing(self.service.generate(r, None, ident)))
-                         for r in reqs]
+        n = sp.n if sp.HasField("n") else 1
+        choices = Choices(kind, n, prompts, echo and sp.HasField("logprobs"), score_only)
+        # A list of prompts runs a window at a time, so that one batch never fills the workers'
+        # queues ahead of other callers' requests: its sequences in flight stay within
+        # --http-batch-seqs-per-worker for each live worker of the model.
+        workers = len(self.service.cluster.live(reqs[0].model))
+        window = max(1, limits_of(request).batch_seqs_per_worker * max(workers, 1) // n)
+        merged = _responses(lambda p: self.service.generate(reqs[p], None, ident), len(reqs), window)
+        async with contextlib.aclosing(merged):
             try:
-                firsts = await _first_of_each(upstreams)    # errors before the first token get their HTTP status
+                first = await anext(merged)      # an error before the first token gets its HTTP status
             except RouterError as r:
                 return ApiError.from_reject(r).response()
             except StopAsyncIteration:
                 return ApiError(503, "no worker answered").response()
-            merged = await stack.enter_async_context(contextlib.aclosing(_merge(upstreams, firsts)))
+            deltas = _prepend(first, merged)
             if stream:
-                return await send_events(request, stream_chunks(head, choices, merged, usage_in_stream, continuous, plan))
+                return await send_events(request, stream_chunks(head, choices, deltas, usage_in_stream, continuous, plan))
             try:
-                async for p, resp in merged:
+                async for p, resp in deltas:
                     choices.add(p, resp)
             except RouterError as r:
                 return ApiError.from_reject(r).response()
@@ -148,45 +156,38 @@ class Generation(Serving):
         return list(ids)
 
 
-async def _first_of_each(upstreams: list) -> list[pb.GenerateResponse]:
-    """Every upstream's first response, awaited together (each prompt's request starts now)."""
-    if len(upstreams) == 1:
-        return [await anext(upstreams[0])]
-    tasks = [asyncio.ensure_future(anext(u)) for u in upstreams]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:          # one failed: the others stop before their streams are closed
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _merge(upstreams: list, firsts: list[pb.GenerateResponse]):
-    """(prompt number, response) from every upstream as each comes; a RouterError of any ends it."""
-    if len(upstreams) == 1:
-        yield 0, firsts[0]
-        async for resp in upstreams[0]:
-            yield 0, resp
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(p: int, upstream) -> None:
-        try:
+async def _responses(open_one: Callable[[int], AsyncGenerator[pb.GenerateResponse, None]], count: int,
+                     window: int) -> AsyncGenerator[tuple[int, pb.GenerateResponse], None]:
+    """(prompt number, response) of `count` prompts' requests (open_one(p): prompt p's upstream,
+    not started) as each comes, at most `window` of them running at once: the next in prompt
+    order opens as one ends, routed on its own then. A RouterError of any ends it."""
+    if count == 1:
+        async with contextlib.aclosing(open_one(0)) as upstream:
             async for resp in upstream:
-                queue.put_nowait((p, resp))
-        except RouterError as e:
-            queue.put_nowait((p, e))
-        queue.put_nowait((p, None))
+                yield 0, resp
+        return
+    # Bounded: a client that reads slowly holds its upstreams back instead of queueing their output.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * window)
 
-    for p, first in enumerate(firsts):
-        queue.put_nowait((p, first))
-    tasks = [asyncio.ensure_future(pump(p, u)) for p, u in enumerate(upstreams)]
+    async def pump(p: int) -> None:
+        try:
+            async with contextlib.aclosing(open_one(p)) as upstream:
+                async for resp in upstream:
+                    await queue.put((p, resp))
+        except RouterError as e:
+            await queue.put((p, e))
+        await queue.put((p, None))
+
+    tasks = [asyncio.ensure_future(pump(p)) for p in range(min(window, count))]
     try:
-        left = len(tasks)
-        while left:
+        running = len(tasks)
+        while running:
             p, item = await queue.get()
             if item is None:
-                left -= 1
+                running -= 1
+                if len(tasks) < count:
+                    tasks.append(asyncio.ensure_future(pump(len(tasks))))
+                    running += 1
             elif isinstance(item, RouterError):
                 raise item
             else:
@@ -213,3 +214,9 @@ def _score_only(kind: str, body: dict, echo: bool, max_name: str, reqs: list[pb.
     for r in reqs:
         r.sampling.max_tokens = 1
     return True
+
+
+async def _prepend(first, rest: AsyncIterator) -> AsyncGenerator:
+    yield first
+    async for item in rest:
+        yield item

@@ -10,7 +10,9 @@
 - a connection's kernel send buffer is --http-send-buffer-bytes, not the up to 4 MiB Linux grows
   it to, so that a client that stops reading pins little memory and its stream soon stalls; a
   stream whose client takes none of it for --http-write-timeout is aborted, upstream call
-  included (router/openai/sse.py).
+  included (router/openai/sse.py);
+- a /v1/completions list of prompts keeps --http-batch-seqs-per-worker sequences in flight per
+  live worker of its model (router/openai/generation.py).
 """
 from __future__ import annotations
 
@@ -30,11 +32,12 @@ class HttpLimits:
     idle_timeout: float = 75.0
     write_timeout: float = 30.0
     send_buffer_bytes: int = 256 << 10
+    batch_seqs_per_worker: int = 32
 
     @classmethod
     def from_args(cls, a) -> HttpLimits:
         return cls(a.http_max_body_bytes, a.http_max_json_depth, a.http_read_timeout, a.http_idle_timeout,
-                   a.http_write_timeout, a.http_send_buffer_bytes)
+                   a.http_write_timeout, a.http_send_buffer_bytes, a.http_batch_seqs_per_worker)
 
 
 LIMITS = web.AppKey("http_limits", HttpLimits)

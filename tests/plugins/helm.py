@@ -27,7 +27,7 @@ EVERYTHING = {
         "indexMaxBlocks": 200000, "speculativeTtl": 5.5, "maxAttempts": 2, "toolCallParser": "llama3_json",
         "firstTokenTimeout": 20, "maxSnapshotBytes": 1 << 24, "maxConcurrentStreams": 512,
         "http": {"maxBodyBytes": 1 << 22, "maxJsonDepth": 32, "readTimeout": 12.5, "idleTimeout": 40,
-                 "writeTimeout": 15, "sendBufferBytes": 1 << 17},
+                 "writeTimeout": 15, "sendBufferBytes": 1 << 17, "batchSeqsPerWorker": 16},
         "limits": {"maxN": 4, "maxPromptBytes": 1 << 19, "maxMessages": 64, "maxPromptTokens": 8192,
                    "maxLogitBias": 100, "maxStop": 8, "maxIdBytes": 128},
         "tls": {"secretName": "router-tls", "clientCa": True}, "apiKeysSecret": {"name": "keys", "key": "k"},
