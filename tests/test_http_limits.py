@@ -103,6 +103,12 @@ def test_body_size_limit_and_non_utf8_bodies(redis_server, start_fake_worker, st
     assert status == 200, raw
     status, raw = post(port, "/v1/completions", gzip.compress(big), {"Content-Encoding": "gzip"})
     assert status == 413, raw
+    # A body declared larger than the bound is refused unread, at once.
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.settimeout(5)
+        t0 = time.monotonic()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n{")
+        assert s.recv(65536).startswith(b"HTTP/1.1 413") and time.monotonic() - t0 < 1.0
     normal_request_works(port)
 
 

@@ -87,6 +87,9 @@ async def _bounded(request: web.Request, handler):
     anything unforeseen as OpenAI error objects, not text."""
     conn = request.protocol
     try:
+        declared, bound = request.content_length or 0, request.app[LIMITS].max_body_bytes
+        if declared > bound:            # refused unread
+            raise web.HTTPRequestEntityTooLarge(bound, declared)
         try:
             await request.read()
         except (HttpProcessingError, web.RequestPayloadError) as e:    # malformed chunks or compression
