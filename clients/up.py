@@ -338,13 +338,15 @@ def _serving(address: str) -> bool:
 
 
 def _router_ready(address: str) -> bool:
-    """The router can serve: it answers and knows a live worker (GetModelInfo goes through one)."""
+    """The router can serve: it answers and knows a live worker (GetModelInfo goes through one).
+    With workers of several served models it asks for a model name instead (INVALID_ARGUMENT
+    "model: required"), which also says it knows live workers."""
     with grpc.insecure_channel(address) as ch:
         try:
             pb_grpc.GenerationStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=1.0)
             return True
-        except grpc.RpcError:
-            return False
+        except grpc.RpcError as e:
+            return e.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 if __name__ == "__main__":
