@@ -84,9 +84,10 @@ def drive(engine, prompts, width: int, max_tokens: int) -> tuple[list, int, int,
                     lps[d.request_id] = (d.token_ids[0], d.logprobs[0])
         for i, group in enumerate(beams):
             offered = [(cum, *lps[f"d{step}.{i}.{j}"]) for j, (_, cum) in enumerate(group)]
-            run, _ = beam_search.select(beam_search.candidates(offered), width, [], True)
+            cands = beam_search.candidates(offered)
+            run, _ = beam_search.select(cands, [0] * len(cands), width)     # no stop flags: ignore_eos
             tokens += len(group)
-            beams[i] = [(group[c.parent][0] + [c.token], c.cum_logprob) for c in run]
+            beams[i] = [(group[c.parent][0] + [c.token], c.cum_logprob) for c, _ in run]
     cpu = time.process_time() - t0
     out = [[toks[len(p):] for toks, _ in group] for p, group in zip(prompts, beams)]
     return out, engine.peak.take(), 0, cpu, tokens
