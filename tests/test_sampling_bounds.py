@@ -26,12 +26,13 @@ def test_every_numeric_field_is_bounded_and_the_bound_is_named(field, value, bou
 
 
 @pytest.mark.parametrize("kw", [
-    dict(length_penalty=10.0), dict(length_penalty=-10.0), dict(temperature=100.0), dict(temperature=1e-4),
+    dict(length_penalty=10.0, use_beam_search=True, temperature=0.0), dict(length_penalty=1.0),
+    dict(length_penalty=-10.0, use_beam_search=True, temperature=0.0), dict(temperature=100.0), dict(temperature=1e-4),
     dict(temperature=0.0), dict(repetition_penalty=2.0), dict(logit_bias={5: -100, 6: 100}), dict(seed=-1),
     dict(seed=2 ** 63 - 1 - 1024), dict(top_k=50), dict(top_k=-1), dict(n=16, best_of=32, use_beam_search=True,
                                                                          temperature=0.0)])
 def test_values_people_use_pass(kw):
-    if kw.get("use_beam_search"):
+    if kw.get("best_of"):
         with pytest.raises(ValueError, match=r"best_of: the beam width must be in \[1, 16\]"):
             SamplingParams(**kw).validate(1000)
         return
@@ -43,3 +44,13 @@ def test_the_widest_length_penalty_is_finite_at_any_length():
     for lp in (-10.0, 10.0):
         for n in (1, 2, 2 ** 20):
             assert abs(beam_score(n, False, -1e6, lp)) < float("inf")
+
+
+def test_length_penalty_without_beam_search_is_refused_on_every_front():
+    """The rule lives in validation, so the gRPC front (sampling_from_proto) refuses it as the
+    HTTP front does, instead of accepting and ignoring it."""
+    from pagoda.gpu_worker.serving.server import sampling_from_proto
+    from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+    with pytest.raises(ValueError, match=r"^length_penalty: only applies with use_beam_search \(got 0.5\)"):
+        sampling_from_proto(pb.SamplingParams(length_penalty=0.5)).validate(1000)
+    sampling_from_proto(pb.SamplingParams(length_penalty=0.5, use_beam_search=True)).validate(1000)

@@ -141,6 +141,9 @@ class SamplingParams:
         finite("length_penalty")
         if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
             bad("length_penalty", f"must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            # It ranks finished beams; without beam search it would change nothing, silently.
+            bad("length_penalty", f"only applies with use_beam_search (got {self.length_penalty:g})")
         if self.use_beam_search:
             self._validate_beam_search()
 
