@@ -21,6 +21,12 @@ host blocks' snapshot in its own key (same format and sequence number as the dev
 written with it in one transaction), and the lease names the tier's size and copy rate. "stored"
 on the device tier means the device pool holds the block now; on the host tier, the host pool
 does. A block may be in both.
+
+Roles (issue 36, prefill/decode disaggregation): the lease's kv_role is the worker's --kv-role,
+"prefill", "decode" or "both" (absent: "both", what every older worker is). While a model has
+live workers of both the prefill and the decode role, a router sends a request's prompt to a
+prefill worker and its decode to a decode worker, which fetches the prompt's KV from the first
+(router/disagg.py); otherwise every worker serves whole requests.
 """
 from __future__ import annotations
 
@@ -120,6 +126,7 @@ class Lease:
     # between the tiers, in tokens per second (0 = not known; routers assume a default).
     host_blocks: int = 0
     kv_copy_tps: float = 0.0
+    kv_role: str = "both"   # one of KV_ROLES: what share of requests routers send here
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -149,12 +156,15 @@ class Lease:
                 raise ValueError(f"lease: {name} must be a number in [{lo}, {hi}] (got {v!r})")
         if not isinstance(lease.name, str) or len(lease.name) > 253:
             raise ValueError("lease: name must be a string of at most 253 characters")
+        if lease.kv_role not in KV_ROLES:
+            raise ValueError(f"lease: kv_role must be one of {', '.join(KV_ROLES)} (got {lease.kv_role!r:.40})")
         if lease.block_size < 1 or not 0.0 <= lease.kv_usage <= 1.0:
             raise ValueError("lease: block_size must be >= 1 and kv_usage in [0, 1]")
         return lease
 
 
 # Speed figures feed the router's arithmetic directly: out-of-range values are refused, not used.
+KV_ROLES = ("prefill", "decode", "both")
 _LEASE_BOUNDS = {"prefill_tps": (0.0, 1e9), "decode_tps": (0.0, 1e9), "step_s": (0.0, 60.0),
                  "max_batched_tokens": (0, 1 << 24), "host_blocks": (0, 1 << 32), "kv_copy_tps": (0.0, 1e12)}
 MAX_LEASE_BYTES = 64 << 10         # room for three full adapter lists (names, resident, paths)

@@ -41,6 +41,13 @@ class RouterMetrics:
         self.reported_cached = Counter("pagoda_router_reported_cached_tokens",
                                        "Prompt tokens workers reported as served from their cache", registry=r)
         self.prompt_tokens = Counter("pagoda_router_prompt_tokens", "Prompt tokens routed", registry=r)
+        # Prefill/decode disaggregation (router/disagg.py).
+        self.pd_requests = Counter("pagoda_router_pd_requests", "Requests whose prompt a prefill worker "
+                                   "computed, sent on to a decode worker with a KV fetch hint", registry=r)
+        self.pd_fallbacks = Counter("pagoda_router_pd_fallbacks", "Disaggregated requests whose prompt was "
+                                    "computed by the decode worker after all: prefill_failed (no prefill worker "
+                                    "answered), recomputed (the fetch failed or came up short)",
+                                    ["reason"], registry=r)
         r.register(_ClusterCollector(cluster, index))
 
 

@@ -14,6 +14,7 @@ from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 from pagoda.router.breaker import CircuitBreaker
 from pagoda.router.channels import WorkerChannels
 from pagoda.router.cluster import Cluster
+from pagoda.router.disagg import Disaggregation, Pools, pools, wants_disaggregation
 from pagoda.router.errors import RouterError
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.prepare import Pin, Prepared, Preparer
@@ -33,7 +34,9 @@ class Pipeline:
         self.breaker = CircuitBreaker()
         self.prepare = Preparer(cluster, channels, self.breaker, limits)
         self.select = Selector(scorer, self.breaker, max_attempts)
-        self.proxy = Proxy(channels, self.select, self.breaker, metrics, first_token_timeout)
+        self.disagg = Disaggregation(channels, self.select, self.breaker, metrics, first_token_timeout)
+        self.proxy = Proxy(channels, self.select, self.breaker, metrics, first_token_timeout,
+                           on_usage=self.disagg.observe_decode)
         cluster.on_worker_gone = self.forget_worker
 
     async def open(self, request: pb.GenerateRequest, timeout: float | None,
@@ -41,16 +44,24 @@ class Pipeline:
         """Prepare and rank one request for caller `ident`, then -> the proxy's stream of the
         chosen worker's responses, as the bytes it sent (not started: the caller iterates it, and
         closes it to end the upstream call). A refusal here, or a failure later, is a RouterError."""
-        p, ranked = await self._decide(request, ident)
+        p, ranked, split = await self._decide(request, ident, disaggregate=True)
         self.metrics.decision_seconds.labels(self.select.scorer.policy, p.model).observe(time.perf_counter() - p.arrived)
+        if split is not None:       # router/disagg.py: the prompt on a prefill worker first
+            p, ranked = await self.disagg.prefill(p, split.prefill, ranked, timeout)
         return self.proxy.stream(p, ranked, timeout)
 
-    async def _decide(self, request: pb.GenerateRequest, ident: Identity | None) -> tuple[Prepared, list]:
-        """Prepare, then rank the candidates (best first); a refusal counts as a rejected decision."""
+    async def _decide(self, request: pb.GenerateRequest, ident: Identity | None,
+                      disaggregate: bool = False) -> tuple[Prepared, list, Pools | None]:
+        """Prepare, then rank the candidates (best first); a refusal counts as a rejected decision.
+        `disaggregate`: where the model has prefill and decode pools, rank the decode pool and
+        return the pools (a request with nothing to move goes to the decode pool whole)."""
         try:
             p = await self.prepare.prepare(request, ident)
-            return p, self.select.rank(p.model, p.workers, p.prompt_len, p.hashes, p.upstream.sampling.max_tokens,
-                                       adapter=p.upstream.adapter)
+            split = pools(p.workers) if disaggregate else None
+            workers = split.decode if split is not None else p.workers
+            ranked = self.select.rank(p.model, workers, p.prompt_len, p.hashes, p.upstream.sampling.max_tokens,
+                                      adapter=p.upstream.adapter)
+            return p, ranked, split if split is not None and wants_disaggregation(p) else None
         except RouterError:
             self.metrics.decisions.labels(self.select.scorer.policy, "rejected").inc()
             raise
@@ -64,7 +75,7 @@ class Pipeline:
                               "direct mode: this router has no --worker-api-key-file to sign grants with; "
                               "use Generate")
         policy = self.select.scorer.policy
-        p, ranked = await self._decide(request, ident)
+        p, ranked, _ = await self._decide(request, ident)
         choice = ranked[0]
         self.select.claim(choice, p.key, p.prompt_len, p.hashes, direct=True)
         self.metrics.decision_seconds.labels(policy, p.model).observe(time.perf_counter() - p.arrived)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncGenerator
+from typing import AsyncGenerator, Callable
 
 import grpc
 
@@ -44,9 +44,11 @@ class _TryNext(Exception):
 
 class Proxy:
     def __init__(self, channels: WorkerChannels, selector: Selector, breaker: CircuitBreaker,
-                 metrics: RouterMetrics, first_token_timeout: float = 60.0):
+                 metrics: RouterMetrics, first_token_timeout: float = 60.0,
+                 on_usage: Callable[[Prepared, pb.Usage], None] | None = None):
         self.channels, self.selector, self.breaker, self.metrics = channels, selector, breaker, metrics
         self.first_token_timeout = first_token_timeout
+        self.on_usage = on_usage        # each finished request's usage (router/disagg.py counts fallbacks)
 
     @property
     def policy(self) -> str:
@@ -164,3 +166,5 @@ class Proxy:
         self.metrics.cached_error.labels(self.policy, p.model).observe(usage.cached_prompt_tokens
                                                                        - choice.cached_tokens)
         self.selector.scorer.observe_output(usage.completion_tokens)
+        if self.on_usage is not None:
+            self.on_usage(p, usage)

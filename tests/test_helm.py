@@ -60,7 +60,7 @@ def pod_labels(docs) -> dict[str, dict]:
 
 
 def test_examples_cover_the_issue():
-    assert {"development", "production", "two-models"} <= {p.stem for p in EXAMPLES}
+    assert {"development", "production", "two-models", "disaggregated"} <= {p.stem for p in EXAMPLES}
 
 
 # --- Kubernetes validity and lint ---------------------------------------------------------------------
@@ -502,3 +502,23 @@ def test_direct_mode_clients_may_reach_workers_when_named():
         assert [p for p in grpc_rule["from"] if "podSelector" not in p] == want
         assert any(p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") == "router"
                    for p in grpc_rule["from"])
+
+
+def test_decode_workers_may_fetch_from_prefill_workers():
+    """Prefill/decode disaggregation: two groups of one model, one per --kv-role; the prefill
+    group's gRPC port also admits the release's workers (decode workers fetch KV blocks there),
+    other groups' only the routers."""
+    from tests.test_helm_flags import resolved_args
+    docs = render(example_values("disaggregated"))
+    roles = {}
+    for d, _, c in containers(docs):
+        if component(d) == "worker":
+            args = resolved_args(docs, c)
+            roles[d["metadata"]["labels"]["pagoda.io/worker-group"]] = args[args.index("--kv-role") + 1]
+    assert roles == {"prefill": "prefill", "decode": "decode"}
+    for group, fetched in (("prefill", True), ("decode", False)):
+        rule = find(docs, "NetworkPolicy", f"rel-pagoda-worker-{group}")[0]["spec"]["ingress"][0]
+        comps = [p["podSelector"]["matchLabels"] for p in rule["from"]]
+        workers = [m for m in comps if m.get("app.kubernetes.io/component") == "worker"]
+        assert workers == ([{"app.kubernetes.io/name": "pagoda", "app.kubernetes.io/instance": "rel",
+                             "app.kubernetes.io/component": "worker"}] if fetched else [])

@@ -143,6 +143,7 @@ def test_values_map_one_to_one_onto_flags():
             assert ns.advertise_address == f"{POD['POD_IP']}:50051" and ns.worker_id == POD["POD_NAME"]
             assert ns.worker_name == POD["POD_NAME"]
             assert ns.device == spec.get("device", w["device"])
+            assert ns.kv_role == spec.get("kvRole", w["kvRole"])
             assert ns.tensor_parallel_size == max(spec.get("gpus", 1), 1)
         covered[cmd] = True
     assert all(covered.values())

@@ -37,6 +37,17 @@ def test_lease_speed_figures_are_bounded():
     assert rs.load_key("m") not in {rs.events_key("m"), rs.lease_key("m"), rs.snapshot_key("m")}
 
 
+def test_lease_kv_role_is_one_of_the_roles():
+    """An older worker's lease has no kv_role: it serves whole requests ("both")."""
+    assert rs.Lease.decode(b'{"worker_id":"w","model":"m","address":"a:1","epoch":1,"block_size":16}').kv_role \
+        == "both"
+    lease = rs.Lease("w1", "m", "a:1", 1, 16, kv_role="prefill")
+    assert rs.Lease.decode(lease.encode()).kv_role == "prefill"
+    for bad in ("Prefill", "", 3):
+        with pytest.raises(ValueError, match="kv_role"):
+            rs.Lease.decode(lease.encode().replace(b'"prefill"', json.dumps(bad).encode()))
+
+
 def test_epochs_increase_across_processes():
     a = rs.new_epoch()
     import time

@@ -260,9 +260,11 @@ def test_vllm_metrics_prefix_serves_vllms_names_and_labels(start_worker, tiny_mo
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
                  "vllm:e2e_request_latency_seconds_count"):
         assert (name, labels) in samples, name
+    # Latencies also by the worker's --kv-role (prefill/decode disaggregation).
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count"):
+        assert (name, (*labels, ("kv_role", "both"))) in samples, name
     assert samples["vllm:generation_tokens_total", labels] == 6
     assert samples["vllm:e2e_request_latency_seconds_count", labels] == 2
     assert samples["vllm:request_success_total", tuple(sorted((*labels, ("finished_reason", "length"))))] == 2

@@ -14,6 +14,7 @@ import socket
 from pagoda.gpu_worker.core.config import QUANTIZATION_METHODS, EngineConfig
 from pagoda.gpu_worker.core.spec_config import parse_speculative_config
 from pagoda.protos import limits
+from pagoda.protos.redis_schema import KV_ROLES
 from pagoda.runtime import security
 from pagoda.runtime.cli_help import DefaultsHelpFormatter
 
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most blocks one fetch moves, served or pulled")
     g.add_argument("--kv-fetch-timeout", type=float, default=10.0,
                    help="seconds a fetch may take before the request recomputes instead")
+    g.add_argument("--kv-role", choices=KV_ROLES, default="both",
+                   help="prefill/decode disaggregation: where routers send this worker's share of a request "
+                        "when the model has both prefill and decode workers live (prefill: prompts only, "
+                        "their KV then fetched by a decode worker; decode: streams, fetching the prompt's "
+                        "KV); both: whole requests, as every worker serves otherwise")
     limits.add_flags(p)
     security.add_flags(p, worker_side=True)
     return p

@@ -118,14 +118,18 @@ class _EngineCollector:
 class WorkerMetrics:
     """One registry per worker (not the process-global one), so tests can run several."""
 
-    def __init__(self, stats: Callable[[], "EngineStats"], model_name: str, prefix: str = "pagoda"):
+    def __init__(self, stats: Callable[[], "EngineStats"], model_name: str, prefix: str = "pagoda",
+                 kv_role: str = "both"):
         self.registry = r = CollectorRegistry()
         n = self.naming = _Naming(prefix, model_name)
         r.register(_EngineCollector(stats, n))
-        self.ttft = Histogram(n("time_to_first_token_seconds"), "Time to first token.", n.labels,
-                              registry=r, buckets=TTFT_BUCKETS).labels(*n.values)
-        self.itl = Histogram(n("inter_token_latency_seconds"), "Time between streamed tokens.", n.labels,
-                             registry=r, buckets=ITL_BUCKETS).labels(*n.values)
+        # Latency by the worker's --kv-role, so one dashboard sets prefill and decode pools apart
+        # (under disaggregation a decode worker's TTFT includes its KV fetch).
+        by_role = (n.labels + ["kv_role"], n.values + [kv_role])
+        self.ttft = Histogram(n("time_to_first_token_seconds"), "Time to first token.", by_role[0],
+                              registry=r, buckets=TTFT_BUCKETS).labels(*by_role[1])
+        self.itl = Histogram(n("inter_token_latency_seconds"), "Time between streamed tokens.", by_role[0],
+                             registry=r, buckets=ITL_BUCKETS).labels(*by_role[1])
         self.e2e = Histogram(n("e2e_request_latency_seconds"), "Request latency, arrival to finish.", n.labels,
                              registry=r, buckets=E2E_BUCKETS).labels(*n.values)
         self.success = Counter(n("request_success"), "Finished requests by finish reason.",

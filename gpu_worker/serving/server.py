@@ -342,7 +342,7 @@ class Worker:
             self.engine = AsyncLLM(EngineConfig(**worker_args.engine_config_kwargs(a)))
         engine = self.engine
         if metrics_port:
-            self.metrics = WorkerMetrics(engine.stats, engine.model_name, a.metrics_prefix)
+            self.metrics = WorkerMetrics(engine.stats, engine.model_name, a.metrics_prefix, a.kv_role)
             self.metrics.serve(a.host, metrics_port)
         health_servicer = health.aio.HealthServicer()
         fetcher = KVFetcher(engine.model_name, self.peer_key, a.kv_fetch_max_blocks, a.kv_fetch_timeout)
@@ -383,7 +383,7 @@ class Worker:
         self.publisher = Publisher(a.redis_url, self.worker_id, self.engine.model_name, address, self.engine,
                                    heartbeat_s=a.heartbeat_interval, snapshot_s=a.snapshot_interval,
                                    name=worker_args.worker_name(a, self.port), epoch=self.service.epoch,
-                                   tokenizer_digest=self.service.tokenizer.digest)
+                                   tokenizer_digest=self.service.tokenizer.digest, kv_role=a.kv_role)
         await self.publisher.start()
 
     async def _watch_engine(self) -> None:

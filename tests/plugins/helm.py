@@ -48,7 +48,7 @@ EVERYTHING = {
         "schedulingPolicy": "priority", "metricsPrefix": "vllm", "asyncScheduling": "off", "streamInterval": 4,
         "quantization": "fp8",
         "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
-        "kvOffloadingSize": 4.5, "preemptionMode": "swap",
+        "kvOffloadingSize": 4.5, "preemptionMode": "swap", "kvRole": "decode",
         "enableLora": True, "loraModules": {"sql": "/models/lora/sql", "chat": "/models/lora/chat"},
         "maxLoras": 4, "maxLoraRank": 64,
         "modelImpl": "transformers", "revision": "v1.2", "dtype": "bfloat16", "device": "cuda", "blockSize": 32,
@@ -60,7 +60,7 @@ EVERYTHING = {
         "podAnnotations": {"note": "x"},
     },
     "workers": [
-        {"name": "a", "replicas": 2, "model": {"source": "pvc", "claimName": "m", "mountPath": "/models",
+        {"name": "a", "replicas": 2, "kvRole": "prefill", "model": {"source": "pvc", "claimName": "m", "mountPath": "/models",
                                                "path": "/models/a"}},
         {"name": "b", "servedModelName": "org/b", "model": {"source": "hostPath", "hostPath": "/data/m",
                                                              "mountPath": "/models", "path": "/models/b"},
