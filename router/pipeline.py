@@ -48,6 +48,8 @@ class Pipeline:
         self.metrics.decision_seconds.labels(self.select.scorer.policy, p.model).observe(time.perf_counter() - p.arrived)
         if split is not None:       # router/disagg.py: the prompt on a prefill worker first
             p, ranked = await self.disagg.prefill(p, split.prefill, ranked, timeout)
+            if timeout is not None:     # the caller's deadline covers both legs
+                timeout = max(timeout - (time.perf_counter() - p.arrived), 0.001)
         return self.proxy.stream(p, ranked, timeout)
 
     async def _decide(self, request: pb.GenerateRequest, ident: Identity | None,

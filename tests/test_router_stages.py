@@ -39,20 +39,23 @@ DIGEST = tokenizer_digest(TOK, TOKENIZER_CONFIG)
 async def stand_ins(*specs: dict):
     """In-process stand-in workers (one gRPC server each, on loopback) and a pipeline whose
     cluster holds their leases, as its Redis sync would have put them."""
-    servers, cluster = [], Cluster("redis://unused", BlockIndex())
+    servers, cluster, engines = [], Cluster("redis://unused", BlockIndex()), {}
     for i, opts in enumerate(specs):
         wid = opts.pop("worker_id", f"w{i}")
+        kv_role = opts.pop("kv_role", "both")
         server = grpc.aio.server()
+        engines[wid] = FakeEngine("m")
         pb_grpc.add_GenerationServicer_to_server(
-            _servicer(FakeEngine("m"), wid, opts.pop("token_delay", 0.0), TOK, **opts), server)
+            _servicer(engines[wid], wid, opts.pop("token_delay", 0.0), TOK, **opts), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         servers.append(server)
         cluster._upsert(Lease(wid, "m", f"127.0.0.1:{port}", 0, 16, num_blocks=4096, free_blocks=4096,
-                              ts=1.0, tokenizer_digest=DIGEST))
+                              ts=1.0, tokenizer_digest=DIGEST, kv_role=kv_role))
     index = cluster.index
     pipeline = Pipeline(cluster, Scorer("round_robin", index), RouterMetrics(cluster, index), WorkerChannels(),
                         limits=Limits(max_n=4))
+    pipeline.stand_ins = engines        # type: ignore[attr-defined]   # what each stand-in was sent
     try:
         yield pipeline
     finally:
@@ -190,3 +193,43 @@ def test_fronts_import_no_process_module_and_no_module_imports_private_names():
                     assert node.module != "pagoda.router.server", f"{name} imports the process module"
     code = "import sys, pagoda.router.openai.front, pagoda.router.grpc_front; assert 'pagoda.router.server' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_disaggregation_sends_the_prompt_to_a_prefill_worker_then_the_request_to_a_decode_worker():
+    """router/disagg.py: with a prefill and a decode worker, the prompt goes first to the prefill
+    worker as a one-token greedy request with none of the caller's sampling, then the caller's
+    request, unchanged but for a fetch hint naming the prefill worker and the prompt's full blocks
+    (not the block the last token ends), to the decode worker, which alone streams back. Prompts
+    with no full block to move, and prompt-logprob requests, go to the decode pool whole; a
+    prefill worker that fails leaves the decode leg without a hint. Without a decode pool every
+    worker serves whole requests."""
+    async def go():
+        async with stand_ins({"kv_role": "prefill"}, {"kv_role": "decode"}, {"kv_role": "decode"}) as pipeline:
+            pre, seen = pipeline.cluster.workers["w0"], pipeline.stand_ins
+            sp = pb.SamplingParams(max_tokens=3, temperature=0.7, seed=5, logprobs=2, stop=["x"])
+            out = await collect(pipeline, pb.GenerateRequest(request_id="r1", token_ids=list(range(1, 33)),
+                                                             cache_salt="s", sampling=sp), Identity("alice"))
+            assert {r.worker_id for r in out} <= {"w1", "w2"} and len(out) == 3 and out[-1].finished
+            (leg,) = seen["w0"].requests
+            assert list(leg.token_ids) == list(range(1, 33)) and leg.cache_salt == "s" and leg.request_id == "r1"
+            assert leg.sampling == pb.SamplingParams(max_tokens=1, temperature=0.0) and not leg.HasField("kv_fetch")
+            (decode,) = seen[out[0].worker_id].requests
+            assert decode.sampling == sp and list(decode.token_ids) == list(range(1, 33))
+            assert decode.kv_fetch == pb.KVFetchHint(source_address=pre.lease.address, num_blocks=1)
+            assert not pre.credits and all(not w.credits for w in pipeline.cluster.workers.values())
+            m = pipeline.metrics
+            assert m.pd_requests._value.get() == 1
+            for short in (pb.GenerateRequest(token_ids=list(range(1, 17))),
+                          pb.GenerateRequest(token_ids=list(range(1, 40)), sampling=pb.SamplingParams(prompt_logprobs=1))):
+                out = await collect(pipeline, short)
+                assert out[-1].worker_id in ("w1", "w2") and len(seen["w0"].requests) == 1
+                assert not seen[out[-1].worker_id].requests[-1].HasField("kv_fetch")
+        async with stand_ins({"kv_role": "prefill", "fail_first": 1}, {"kv_role": "decode"}) as pipeline:
+            out = await collect(pipeline, pb.GenerateRequest(token_ids=list(range(1, 40))))
+            assert out[-1].worker_id == "w1" and not pipeline.stand_ins["w1"].requests[0].HasField("kv_fetch")
+            assert pipeline.metrics.pd_fallbacks.labels("prefill_failed")._value.get() == 1
+        async with stand_ins({"kv_role": "prefill"}, {}) as pipeline:
+            workers = {(await collect(pipeline, pb.GenerateRequest(token_ids=list(range(1, 40)))))[-1].worker_id
+                       for _ in range(2)}
+            assert workers == {"w0", "w1"} and pipeline.metrics.pd_requests._value.get() == 0
+    asyncio.run(go())

@@ -264,7 +264,7 @@ def test_vllm_metrics_prefix_serves_vllms_names_and_labels(start_worker, tiny_mo
         assert (name, labels) in samples, name
     # Latencies also by the worker's --kv-role (prefill/decode disaggregation).
     for name in ("vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count"):
-        assert (name, (*labels, ("kv_role", "both"))) in samples, name
+        assert (name, tuple(sorted((*labels, ("kv_role", "both"))))) in samples, name
     assert samples["vllm:generation_tokens_total", labels] == 6
     assert samples["vllm:e2e_request_latency_seconds_count", labels] == 2
     assert samples["vllm:request_success_total", tuple(sorted((*labels, ("finished_reason", "length"))))] == 2

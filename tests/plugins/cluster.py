@@ -59,6 +59,7 @@ class FakeEngine:
         self.events: list[tuple[str, bytes]] = []
         self.lock = threading.Lock()
         self.running = self.queued = 0
+        self.requests: list = []        # every GenerateRequest it was sent (router stage tests read them)
 
     def admit(self, token_ids: list[int], adapter: str, salt: str) -> int:
         from pagoda.protos.block_hash import block_hashes, namespace_root
@@ -136,6 +137,7 @@ def _servicer(engine: FakeEngine, worker_id: str, token_delay: float, tokenizer_
             if request.model != engine.model_name:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: not served here ({request.model!r})")
             ids = list(request.token_ids)
+            engine.requests.append(request)
             engine.running += 1
             engine.queued += len(ids)
             try:
