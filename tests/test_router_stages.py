@@ -228,6 +228,16 @@ def test_disaggregation_sends_the_prompt_to_a_prefill_worker_then_the_request_to
             out = await collect(pipeline, pb.GenerateRequest(token_ids=list(range(1, 40))))
             assert out[-1].worker_id == "w1" and not pipeline.stand_ins["w1"].requests[0].HasField("kv_fetch")
             assert pipeline.metrics.pd_fallbacks.labels("prefill_failed")._value.get() == 1
+        # A decode worker that fails before its first token: the next decode worker, same hint.
+        async with stand_ins({"kv_role": "prefill"}, {"kv_role": "decode", "fail_first": 1},
+                             {"kv_role": "decode"}) as pipeline:
+            for _ in range(2):      # round robin: w1 first both times
+                out = await collect(pipeline, pb.GenerateRequest(token_ids=list(range(1, 40))))
+                assert out[-1].finished and out[-1].worker_id in ("w1", "w2")
+            sent = pipeline.stand_ins["w1"].requests + pipeline.stand_ins["w2"].requests
+            assert len(sent) == 2 and all(r.kv_fetch.num_blocks == 2 for r in sent)
+            # w1 refused the first request (w2 served it with the same hint), served the second.
+            assert [len(pipeline.stand_ins[w].requests) for w in ("w1", "w2")] == [1, 1]
         async with stand_ins({"kv_role": "prefill"}, {}) as pipeline:
             workers = {(await collect(pipeline, pb.GenerateRequest(token_ids=list(range(1, 40)))))[-1].worker_id
                        for _ in range(2)}
