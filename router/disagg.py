@@ -20,6 +20,8 @@ time, one dies) is counted and the decode leg goes anyway, without a hint; a fet
 or comes up short makes the decode worker recompute what it lacks (counted when its usage shows
 it). Not disaggregated, and served whole by a decode worker: prompts without a full block to
 move, and requests for prompt logprobs (computed over the whole prompt, so never from a cache).
+Direct mode (Route: the client streams from the worker itself) is not disaggregated: it ranks
+every live worker, as before.
 """
 from __future__ import annotations
 
