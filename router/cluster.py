@@ -132,8 +132,8 @@ class Cluster:
     def _report(self, w: WorkerState, lease: rs.Lease) -> None:
         before = w.lease
         w.on_heartbeat(lease)
-        if (w.lease.model, w.lease.tokenizer_digest, w.lease.lora_adapters, w.lease.lora_paths) != \
-                (before.model, before.tokenizer_digest, before.lora_adapters, before.lora_paths):
+        if (w.lease.model, w.lease.tokenizer_digest, w.lease.lora_adapters, w.lease.lora_paths, w.lease.kv_role) != \
+                (before.model, before.tokenizer_digest, before.lora_adapters, before.lora_paths, before.kv_role):
             self._membership_changed()
 
     def healthy(self, stale_after_s: float = 5.0) -> bool:

@@ -73,6 +73,15 @@ class Disaggregation:
                  metrics: RouterMetrics, timeout: float = 60.0):
         self.channels, self.selector, self.breaker, self.metrics = channels, selector, breaker, metrics
         self.timeout = timeout          # for the whole prefill leg: the proxy's first-token deadline
+        self._pools: dict[str, tuple[list[WorkerState], Pools | None]] = {}
+
+    def pools(self, model: str, workers: list[WorkerState]) -> Pools | None:
+        """pools(workers), found again only when the list is another: the cluster rebuilds a
+        model's list when its membership changes, so a request costs no scan of every worker."""
+        cached = self._pools.get(model)
+        if cached is None or cached[0] is not workers:
+            cached = self._pools[model] = (workers, pools(workers))
+        return cached[1]
 
     async def prefill(self, p: Prepared, prefill: list[WorkerState], decode: list[Choice],
                       timeout: float | None) -> tuple[Prepared, list[Choice]]:

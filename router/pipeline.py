@@ -14,7 +14,7 @@ from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 from pagoda.router.breaker import CircuitBreaker
 from pagoda.router.channels import WorkerChannels
 from pagoda.router.cluster import Cluster
-from pagoda.router.disagg import Disaggregation, Pools, pools, wants_disaggregation
+from pagoda.router.disagg import Disaggregation, Pools, wants_disaggregation
 from pagoda.router.errors import RouterError
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.prepare import Pin, Prepared, Preparer
@@ -59,7 +59,7 @@ class Pipeline:
         return the pools (a request with nothing to move goes to the decode pool whole)."""
         try:
             p = await self.prepare.prepare(request, ident)
-            split = pools(p.workers) if disaggregate else None
+            split = self.disagg.pools(p.model, p.workers) if disaggregate else None
             workers = split.decode if split is not None else p.workers
             ranked = self.select.rank(p.model, workers, p.prompt_len, p.hashes, p.upstream.sampling.max_tokens,
                                       adapter=p.upstream.adapter)
