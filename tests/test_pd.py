@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation end to end (router/disagg.py): a real redis-server, a router, one
-prefill and one decode CPU worker (tiny Llama). Through the router, a prompt is computed on the
-prefill worker and streamed by the decode worker, which fetched its blocks: the tokens equal a
-colocated run's and transformers'. A prefill worker killed before the request, and a fetch whose
+prefill and one decode CPU worker (tiny Llama), all with keys: a tenant calls the router, the
+router calls workers with its admin key acting for the tenant, the decode worker fetches with its
+peer key. Through the router, a prompt is computed on the prefill worker and streamed by the
+decode worker, which fetched its blocks (so both legs hashed in the tenant's namespace): the
+tokens equal a colocated run's and transformers'. A prefill worker killed before the request, and a fetch whose
 bytes are spoilt, still give the full, correct stream (decode recomputes). The tests run in file
 order: the second kills the first prefill worker, the third starts a faulty one."""
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pagoda.gpu_worker.serving.kv_transfer import FAULT_ENV
 from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 from tests.plugins.cluster import _spawn
-from tests.test_kv_transfer import BLOCK, FETCHABLE, PROMPT, reference  # noqa: F401 (a fixture)
+from tests.test_kv_transfer import BLOCK, FETCHABLE, PROMPT, TENANT, keys, reference  # noqa: F401 (fixtures)
 from tests.test_router import metric, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -24,20 +26,23 @@ FLAGS = dict(num_kv_blocks=64, block_size=BLOCK, max_model_len=512, snapshot_int
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_model, redis_server_module, start_worker_module, tmp_path_factory):
+def pd(tiny_model, redis_server_module, start_worker_module, tmp_path_factory, keys):  # noqa: F811
     url = redis_server_module.url
-    decode = start_worker_module(tiny_model, redis_url=url, worker_id="dec", kv_role="decode", **FLAGS)
-    prefill = start_worker_module(tiny_model, redis_url=url, worker_id="pre", kv_role="prefill", **FLAGS)
+    flags = dict(FLAGS, redis_url=url, api_keys_file=str(keys / "keys"))
+    decode = start_worker_module(tiny_model, worker_id="dec", kv_role="decode",
+                                 kv_peer_api_key_file=str(keys / "peer"), **flags)
+    prefill = start_worker_module(tiny_model, worker_id="pre", kv_role="prefill", **flags)
     from pagoda.clients.up import free_port
     procs: list = []
     port = free_port()
     router = _spawn(["-m", "pagoda.router", "--host", "127.0.0.1", "--port", "0", "--redis-url", url,
-                     "--metrics-port", str(port), "--http-port", "0"],
+                     "--metrics-port", str(port), "--http-port", "0", "--api-keys-file", str(keys / "keys"),
+                     "--worker-api-key-file", str(keys / "peer")],
                     tmp_path_factory.mktemp("router"), "router", procs, port)
     wait_for(lambda: live(router) == 2, 15, "router to see both workers")
     channel = grpc.insecure_channel(router.address)
     yield dict(url=url, router=router, stub=pb_grpc.GenerationStub(channel), decode=decode, prefill=prefill,
-               start=lambda **kw: start_worker_module(tiny_model, redis_url=url, kv_role="prefill", **FLAGS, **kw))
+               start=lambda **kw: start_worker_module(tiny_model, kv_role="prefill", **flags, **kw))
     channel.close()
     for p in procs:
         p.kill()
@@ -52,7 +57,7 @@ def generate(stub, salt: str, max_tokens: int = 12):
     req = pb.GenerateRequest(token_ids=PROMPT, cache_salt=salt,
                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens))
     tokens, last = [], None
-    for r in stub.Generate(req, timeout=120):
+    for r in stub.Generate(req, timeout=120, metadata=[("authorization", f"Bearer {TENANT}")]):
         tokens += r.token_ids
         last = r
     assert last is not None and last.finished
@@ -76,7 +81,8 @@ def test_prefill_then_decode_gives_the_colocated_tokens(pd, reference):  # noqa:
     with grpc.insecure_channel(pd["decode"].address) as ch:
         req = pb.GenerateRequest(token_ids=PROMPT, cache_salt="colocated",
                                  sampling=pb.SamplingParams(temperature=0.0, max_tokens=12))
-        finals = list(pb_grpc.GenerationStub(ch).Generate(req, timeout=120))
+        finals = list(pb_grpc.GenerationStub(ch).Generate(req, timeout=120,
+                                                          metadata=[("authorization", f"Bearer {TENANT}")]))
     colocated = [t for r in finals for t in r.token_ids]
     assert finals[-1].usage.cached_prompt_tokens == 0
     assert got == colocated == reference
