@@ -27,6 +27,10 @@ Roles (issue 36, prefill/decode disaggregation): the lease's kv_role is the work
 live workers of both the prefill and the decode role, a router sends a request's prompt to a
 prefill worker and its decode to a decode worker, which fetches the prompt's KV from the first
 (router/disagg.py); otherwise every worker serves whole requests.
+
+KV transfer (issue 36): the lease names the bytes of one KV block (0 for a worker that can neither
+serve nor take a fetch) and the rate and per-call overhead the worker measured of its fetches from
+peers, which routers price a fetch hint with (router/scoring.py).
 """
 from __future__ import annotations
 
@@ -127,6 +131,13 @@ class Lease:
     host_blocks: int = 0
     kv_copy_tps: float = 0.0
     kv_role: str = "both"   # one of KV_ROLES: what share of requests routers send here
+    # KV transfer between workers (issue 36): the bytes of one block's K and V over all layers (0:
+    # this worker neither serves nor takes fetches, and routers never hint it), and what it
+    # measured of its completed fetches as fetcher: seconds = kv_fetch_overhead_s + bytes /
+    # kv_fetch_bps (a prior until its first fetch; 0 = not known, routers assume defaults).
+    kv_block_bytes: int = 0
+    kv_fetch_bps: float = 0.0
+    kv_fetch_overhead_s: float = 0.0
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -166,7 +177,8 @@ class Lease:
 # Speed figures feed the router's arithmetic directly: out-of-range values are refused, not used.
 KV_ROLES = ("prefill", "decode", "both")
 _LEASE_BOUNDS = {"prefill_tps": (0.0, 1e9), "decode_tps": (0.0, 1e9), "step_s": (0.0, 60.0),
-                 "max_batched_tokens": (0, 1 << 24), "host_blocks": (0, 1 << 32), "kv_copy_tps": (0.0, 1e12)}
+                 "max_batched_tokens": (0, 1 << 24), "host_blocks": (0, 1 << 32), "kv_copy_tps": (0.0, 1e12),
+                 "kv_block_bytes": (0, 1 << 40), "kv_fetch_bps": (0.0, 1e12), "kv_fetch_overhead_s": (0.0, 60.0)}
 MAX_LEASE_BYTES = 64 << 10         # room for three full adapter lists (names, resident, paths)
 MAX_TEXT = 512                      # worker ids, model names, addresses
 MAX_LORA_ADAPTERS = 64              # names in each of a lease's adapter lists

@@ -38,3 +38,17 @@ def test_decode_only_samples_keep_the_prefill_rate_near_the_prior_and_positive()
     feed(r, [(20, 0, 20 * 32)] * 30)
     assert 0 < r.prefill_tps < 100 / PRIOR[1]
     assert r.step_s > 0 and r.decode_tps > 0
+
+
+def test_transfer_rate_starts_at_its_prior_and_fits_overhead_and_rate_from_completed_fetches():
+    from pagoda.gpu_worker.serving.step_rates import TRANSFER_PRIOR, TransferRate
+    r = TransferRate()
+    assert (r.overhead_s, r.bps) == pytest.approx((TRANSFER_PRIOR[0], 1 / TRANSFER_PRIOR[1]))
+    for _ in range(4):                  # 17.5 ms a call and 14.6 MB/s (bench/RESULTS.md, this CPU)
+        for blocks in (64, 128, 256):
+            nbytes = blocks * 8192
+            r.observe(nbytes, 0.0175 + nbytes / 14.6e6)
+    assert r.overhead_s == pytest.approx(0.0175, rel=0.3) and r.bps == pytest.approx(14.6e6, rel=0.1)
+    r.observe(0, 1.0)                   # a fetch that moved nothing says nothing of the rate
+    r.observe(8192, 0.0)
+    assert r.bps == pytest.approx(14.6e6, rel=0.1)

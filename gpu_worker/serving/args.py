@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--api-keys-file)")
     g.add_argument("--kv-fetch-max-blocks", type=_positive_int, default=512,
                    help="most blocks one fetch moves, served or pulled")
-    g.add_argument("--kv-fetch-timeout", type=float, default=10.0,
+    g.add_argument("--kv-fetch-timeout", type=_positive_seconds, default=10.0,
                    help="seconds a fetch may take before the request recomputes instead")
     g.add_argument("--kv-role", choices=KV_ROLES, default="both",
                    help="prefill/decode disaggregation: where routers send this worker's share of a request "
@@ -150,6 +150,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer (got {text!r})")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})")
     return value
 
 

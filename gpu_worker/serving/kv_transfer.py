@@ -44,6 +44,7 @@ import grpc
 import torch
 
 from pagoda.gpu_worker.core.block_pool import KVCacheBlock
+from pagoda.gpu_worker.serving.step_rates import TransferRate
 from pagoda.protos.block_hash import block_hashes, namespace_root
 from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
@@ -72,6 +73,18 @@ def layout_of(engine: LLMEngine, num_blocks: int = 0) -> pb.KVLayout:
     r = engine.runner
     return pb.KVLayout(block_size=engine.block_size, num_layers=r.num_layers, num_kv_heads=r.num_kv_heads,
                        head_dim=r.head_dim, dtype=str(r.kv_dtype).replace("torch.", ""), num_blocks=num_blocks)
+
+
+def block_bytes(layout: pb.KVLayout) -> int:
+    """Bytes of one block's K and V over every layer: what a fetch moves per block."""
+    return 2 * layout.num_layers * layout.num_kv_heads * layout.block_size * layout.head_dim * \
+        torch.empty(0, dtype=getattr(torch, layout.dtype)).element_size()
+
+
+def transfer_block_bytes(engine: LLMEngine) -> int:
+    """Engine command: block_bytes of this worker's pool, 0 when it can neither serve nor take
+    fetches (what its lease says, so that routers never hint it either way)."""
+    return block_bytes(layout_of(engine)) if _transferable(engine) else 0
 
 
 def _stores(engine: LLMEngine) -> list[torch.Tensor]:
@@ -186,10 +199,34 @@ class FinishImport:
         pool.free_blocks(reversed(p.held + p.blocks))
 
 
+# ---- both sides: what moved, for the metrics (gpu_worker/serving/metrics.py reads it at scrape time)
+
+@dataclass
+class TransferTally:
+    """One side's transfers (as fetcher, or as source): completed calls, blocks and bytes moved
+    (by failed calls too), seconds of calls, failed calls by reason."""
+    calls: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def add(self, blocks: int, nbytes: int, seconds: float, failure: str = "") -> None:
+        self.calls += 1
+        self.blocks, self.bytes, self.seconds = self.blocks + blocks, self.bytes + nbytes, self.seconds + seconds
+        if failure:
+            self.failures[failure] = self.failures.get(failure, 0) + 1
+
+
 # ---- source side (event loop) -------------------------------------------------------------------
 
 class FetchError(Exception):
-    """A fetch refused or broken; the request recomputes what did not arrive."""
+    """A fetch refused or broken; the request recomputes what did not arrive. `reason`: a short
+    label for the metrics (layout, chain, digest, truncated, or a gRPC status in lower case)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 def _fault() -> tuple[str, int]:
@@ -199,41 +236,57 @@ def _fault() -> tuple[str, int]:
 
 
 async def serve_fetch(engine: EngineClient, model_name: str, request: pb.FetchKVBlocksRequest,
-                      context: grpc.aio.ServicerContext, max_blocks: int) -> AsyncIterator[pb.FetchKVBlocksResponse]:
-    """Admin.FetchKVBlocks: the layout, then the leading requested blocks this worker holds."""
-    if request.model and request.model != model_name:
-        await context.abort(grpc.StatusCode.NOT_FOUND, f"model: this worker serves {model_name!r}")
-    hashes = list(request.block_hashes)
-    if len(hashes) > max_blocks:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"block_hashes: at most {max_blocks} blocks a fetch (got {len(hashes)})")
-    if any(len(h) != 16 for h in hashes):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block_hashes: each must be 16 bytes")
-    if not await engine.call(_transferable):
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker cannot export KV blocks "
-                            "(tensor parallel, or prefix caching off)")
-    fault, fault_at = _fault()
-    sent, first = 0, True
-    while sent < len(hashes):
-        n, data = await engine.call(ExportBlocks(tuple(hashes[sent:sent + EXPORT_WINDOW])))
-        if first:
-            # The count is a promise only for the first window: later ones may have been evicted.
-            yield pb.FetchKVBlocksResponse(layout=await engine.call(lambda e: layout_of(e, n)))
-            first = False
-        for i in range(n):
-            h, kv = hashes[sent], data[i].numpy().tobytes()
-            digest = block_digest(h, kv)
-            if sent == fault_at:
-                if fault == "truncate":
-                    return
-                if fault == "die":
-                    os._exit(17)
-                if fault == "corrupt":
-                    kv = bytes([kv[0] ^ 0xFF]) + kv[1:]
-            yield pb.FetchKVBlocksResponse(block_hash=h, kv=kv, digest=digest)
-            sent += 1
-        if n < min(EXPORT_WINDOW, len(hashes) - (sent - n)):
-            return                                  # the chain ends here on this worker
+                      context: grpc.aio.ServicerContext, max_blocks: int,
+                      tally: Optional[TransferTally] = None) -> AsyncIterator[pb.FetchKVBlocksResponse]:
+    """Admin.FetchKVBlocks: the layout, then the leading requested blocks this worker holds.
+    `tally`: what was served, counted when the call ends (refused, or ended by the fetcher:
+    "cancelled", as failures)."""
+    tally = tally if tally is not None else TransferTally()
+    t0, sent, nbytes, failure = time.monotonic(), 0, 0, "cancelled"
+
+    async def refuse(code: grpc.StatusCode, message: str) -> None:
+        nonlocal failure
+        failure = code.name.lower()
+        await context.abort(code, message)
+
+    try:
+        if request.model and request.model != model_name:
+            await refuse(grpc.StatusCode.NOT_FOUND, f"model: this worker serves {model_name!r}")
+        hashes = list(request.block_hashes)
+        if len(hashes) > max_blocks:
+            await refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"block_hashes: at most {max_blocks} blocks a fetch (got {len(hashes)})")
+        if any(len(h) != 16 for h in hashes):
+            await refuse(grpc.StatusCode.INVALID_ARGUMENT, "block_hashes: each must be 16 bytes")
+        if not await engine.call(_transferable):
+            await refuse(grpc.StatusCode.FAILED_PRECONDITION, "this worker cannot export KV blocks "
+                         "(tensor parallel, or prefix caching off)")
+        fault, fault_at = _fault()
+        first = True
+        while sent < len(hashes):
+            n, data = await engine.call(ExportBlocks(tuple(hashes[sent:sent + EXPORT_WINDOW])))
+            if first:
+                # The count is a promise only for the first window: later ones may have been evicted.
+                yield pb.FetchKVBlocksResponse(layout=await engine.call(lambda e: layout_of(e, n)))
+                first = False
+            for i in range(n):
+                h, kv = hashes[sent], data[i].numpy().tobytes()
+                digest = block_digest(h, kv)
+                if sent == fault_at:
+                    if fault == "truncate":
+                        failure = ""
+                        return
+                    if fault == "die":
+                        os._exit(17)
+                    if fault == "corrupt":
+                        kv = bytes([kv[0] ^ 0xFF]) + kv[1:]
+                yield pb.FetchKVBlocksResponse(block_hash=h, kv=kv, digest=digest)
+                sent, nbytes = sent + 1, nbytes + len(kv)
+            if n < min(EXPORT_WINDOW, len(hashes) - (sent - n)):
+                break                                   # the chain ends here on this worker
+        failure = ""
+    finally:
+        tally.add(sent, nbytes, time.monotonic() - t0, failure)
 
 
 # ---- receiver side (event loop) -----------------------------------------------------------------
@@ -246,7 +299,10 @@ class KVFetcher:
         self.model_name, self.max_blocks, self.timeout_s = model_name, max_blocks, timeout_s
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.channels: dict[str, grpc.aio.Channel] = {}
-        self.fetched_blocks = self.failed = 0
+        self.fetched = TransferTally()      # as fetcher
+        self.served = TransferTally()       # as source (serve_fetch)
+        self.rate = TransferRate()          # of completed fetches: published in the lease
+        self.block_bytes = 0                # of this worker's pool; 0: it takes no fetches (set at start)
 
     def _stub(self, address: str) -> pb_grpc.AdminStub:
         ch = self.channels.get(address)
@@ -260,6 +316,7 @@ class KVFetcher:
         want = min(hint.num_blocks, self.max_blocks)
         if want <= 0 or not hint.source_address:
             return 0
+        t0 = time.monotonic()          # the whole call, planning and naming included: what TTFT pays
         try:
             plan = await engine.call(PlanImport(tuple(token_ids), want, cache_salt, adapter))
         except ValueError as e:
@@ -267,29 +324,33 @@ class KVFetcher:
             return 0
         if plan is None:
             return 0
-        num_ok, t0 = 0, time.monotonic()
+        num_ok, failure = 0, "cancelled"
         try:
             num_ok = await asyncio.wait_for(self._pull(engine, hint.source_address, plan), self.timeout_s)
+            failure = ""
         except Exception as e:      # whatever broke (refused, deadline, bytes): recompute instead
             num_ok = getattr(e, "num_ok", 0)
-            self.failed += 1
+            failure = e.reason if isinstance(e, FetchError) else \
+                "deadline" if isinstance(e, asyncio.TimeoutError) else "error"
             log.warning("kv fetch from %s: %s; recomputing from block %d", hint.source_address,
                         _describe(e), len(plan.held) + num_ok)
         finally:
             # Queued at once (AsyncLLM.call puts the command before it awaits), so the blocks go
             # back even when this call is cancelled here.
             await asyncio.shield(engine.call(FinishImport(plan, num_ok)))
-        self.fetched_blocks += num_ok
+            seconds, nbytes = time.monotonic() - t0, num_ok * block_bytes(plan.layout)
+            self.fetched.add(num_ok, nbytes, seconds, failure)
+            if not failure:
+                self.rate.observe(nbytes, seconds)
         log.info("kv fetch from %s: %d of %d blocks in %.1f ms", hint.source_address, num_ok,
-                 len(plan.missing), 1000 * (time.monotonic() - t0))
+                 len(plan.missing), 1000 * seconds)
         return num_ok
 
     async def _pull(self, engine: EngineClient, address: str, plan: ImportPlan) -> int:
         """Verified blocks written into plan.blocks, in order; FetchError (with num_ok, the blocks
         written before it) on anything else."""
         mine = plan.layout
-        per_block = 2 * mine.num_layers * mine.num_kv_heads * mine.block_size * mine.head_dim * \
-            torch.empty(0, dtype=getattr(torch, mine.dtype)).element_size()
+        per_block = block_bytes(mine)
         call = self._stub(address).FetchKVBlocks(
             pb.FetchKVBlocksRequest(model=self.model_name, block_hashes=plan.missing), metadata=self.metadata)
         got, written = 0, 0
@@ -311,13 +372,13 @@ class KVFetcher:
                     theirs.CopyFrom(msg.layout)
                     theirs.num_blocks = 0
                     if theirs != mine:
-                        raise FetchError(f"layout differs: theirs {msg.layout}, mine {mine}")
+                        raise FetchError(f"layout differs: theirs {msg.layout}, mine {mine}", "layout")
                     first = False
                     continue
                 if got >= len(plan.missing) or msg.block_hash != plan.missing[got]:
-                    raise FetchError(f"block {got}: not the next hash of the request's chain")
+                    raise FetchError(f"block {got}: not the next hash of the request's chain", "chain")
                 if len(msg.kv) != per_block or block_digest(msg.block_hash, msg.kv) != msg.digest:
-                    raise FetchError(f"block {got}: its bytes do not match its digest")
+                    raise FetchError(f"block {got}: its bytes do not match its digest", "digest")
                 buf.append(msg.kv)
                 got += 1
                 if len(buf) == WRITE_WINDOW:
@@ -325,13 +386,13 @@ class KVFetcher:
             if buf:
                 await flush()
             if got < len(plan.missing):
-                raise FetchError(f"the source sent {got} of {len(plan.missing)} blocks")
+                raise FetchError(f"the source sent {got} of {len(plan.missing)} blocks", "truncated")
             return written
         except BaseException as e:
             call.cancel()
             if isinstance(e, (FetchError, grpc.RpcError)):
                 # Only blocks written before the failure count (a partial window is dropped).
-                err = e if isinstance(e, FetchError) else FetchError(_describe(e))
+                err = e if isinstance(e, FetchError) else FetchError(_describe(e), _rpc_reason(e))
                 err.num_ok = written          # type: ignore[attr-defined]
                 raise err from None
             raise
@@ -340,6 +401,10 @@ class KVFetcher:
         for ch in self.channels.values():
             await ch.close()
         self.channels.clear()
+
+
+def _rpc_reason(e: BaseException) -> str:
+    return e.code().name.lower() if isinstance(e, grpc.aio.AioRpcError) else "rpc"
 
 
 def _describe(e: BaseException) -> str:

@@ -12,12 +12,13 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from pagoda.runtime.metrics_http import start_metrics_server
 
-if TYPE_CHECKING:     # outputs imports torch; the metrics need only the field names
+if TYPE_CHECKING:     # outputs and kv_transfer import torch; the metrics need only the field names
     from pagoda.gpu_worker.core.outputs import EngineStats
+    from pagoda.gpu_worker.serving.kv_transfer import TransferTally
 
 # Same bucket edges as vLLM's, so existing dashboards' quantiles read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -32,7 +33,8 @@ PREFIXES = ("pagoda", "vllm")
 # Where vLLM's name differs from ours (vLLM v1's PrometheusStatLogger), and ours it lacks.
 _VLLM_NAMES = {"inter_token_latency_seconds": "time_per_output_token_seconds"}
 _PAGODA_ONLY = {"num_kv_blocks", "num_free_kv_blocks", "prefill_tokens_computed", "num_host_kv_blocks",
-                "host_kv_cached_blocks", "kv_tier_copied_blocks", "num_swaps"}
+                "host_kv_cached_blocks", "kv_tier_copied_blocks", "num_swaps", "kv_transfer_blocks",
+                "kv_transfer_bytes", "kv_transfer_seconds", "kv_transfer_failures"}
 
 
 class _Naming:
@@ -115,6 +117,34 @@ class _EngineCollector:
             yield per_pos
 
 
+class _TransferCollector:
+    """KV transfer between workers (gpu_worker/serving/kv_transfer.py), by role: "fetcher" (this
+    worker pulled a prefix from a peer) and "source" (a peer pulled from it)."""
+
+    def __init__(self, tallies: dict[str, "TransferTally"], naming: _Naming):
+        self.tallies, self.naming = tallies, naming
+
+    def collect(self):
+        n = self.naming
+        labels = n.labels + ["role"]
+        blocks = CounterMetricFamily(n("kv_transfer_blocks"), "KV blocks moved between workers (by failed "
+                                     "transfers too: those that arrived whole).", labels=labels)
+        nbytes = CounterMetricFamily(n("kv_transfer_bytes"), "Bytes of KV blocks moved between workers.",
+                                     labels=labels)
+        seconds = SummaryMetricFamily(n("kv_transfer_seconds"), "KV transfer calls and their seconds, "
+                                      "failed ones included.", labels=labels)
+        failures = CounterMetricFamily(n("kv_transfer_failures"), "KV transfers that failed, by reason "
+                                       "(the request recomputed what did not arrive).", labels=labels + ["reason"])
+        for role, t in self.tallies.items():
+            values = n.values + [role]
+            blocks.add_metric(values, t.blocks)
+            nbytes.add_metric(values, t.bytes)
+            seconds.add_metric(values, t.calls, t.seconds)
+            for reason, count in sorted(t.failures.items()):
+                failures.add_metric(values + [reason], count)
+        yield from (blocks, nbytes, seconds, failures)
+
+
 class WorkerMetrics:
     """One registry per worker (not the process-global one), so tests can run several."""
 
@@ -135,6 +165,10 @@ class WorkerMetrics:
         self.success = Counter(n("request_success"), "Finished requests by finish reason.",
                                n.labels + ["finished_reason"], registry=r)
         self._server: Any = None
+
+    def add_kv_transfer(self, fetched: "TransferTally", served: "TransferTally") -> None:
+        """Export the worker's KV transfer tallies (read at scrape time)."""
+        self.registry.register(_TransferCollector({"fetcher": fetched, "source": served}, self.naming))
 
     def request_finished(self, reason: str) -> None:
         self.success.labels(*self.naming.values, reason or "abort").inc()

@@ -37,7 +37,10 @@ class Publisher:
                  heartbeat_s: float = 0.5, snapshot_s: float = 5.0, lease_ttl_s: float = 3.0,
                  poll_s: float = 0.02, max_pending_events: int = 200_000,
                  stream_maxlen: int = rs.STREAM_MAXLEN, name: str = "", load_interval_s: float = 0.05,
-                 epoch: int | None = None, tokenizer_digest: str = "", kv_role: str = "both"):
+                 epoch: int | None = None, tokenizer_digest: str = "", kv_transfer: Any = None,
+                 kv_role: str = "both"):
+        """`kv_transfer`: the worker's KVFetcher (its block_bytes and measured rate go in the
+        lease); None: the worker takes no fetches."""
         if heartbeat_s <= 0 or snapshot_s <= 0 or lease_ttl_s <= heartbeat_s:
             raise ValueError("heartbeat_s, snapshot_s must be > 0 and lease_ttl_s > heartbeat_s")
         self.redis_url, self.worker_id, self.model, self.address = redis_url, worker_id, model, address
@@ -51,6 +54,7 @@ class Publisher:
         self.poll_s, self.max_pending, self.stream_maxlen = poll_s, max_pending_events, stream_maxlen
         self.epoch = rs.new_epoch() if epoch is None else epoch   # the server answers with it too
         self.tokenizer_digest, self.kv_role = tokenizer_digest, kv_role
+        self.kv_transfer = kv_transfer
         self.seq = 0                       # last batch sequence number assigned
         self.stream_id = "0-0"             # last entry this process added
         self.pending: list[tuple[str, bytes]] = []
@@ -175,7 +179,17 @@ class Publisher:
                         prefill_tps=self.rates.prefill_tps, decode_tps=self.rates.decode_tps,
                         step_s=self.rates.step_s, max_batched_tokens=st.max_num_batched_tokens,
                         name=self.name, tokenizer_digest=self.tokenizer_digest, **self._adapters(),
-                        host_blocks=st.host_blocks, kv_copy_tps=self._copy_tps(st), kv_role=self.kv_role)
+                        host_blocks=st.host_blocks, kv_copy_tps=self._copy_tps(st), kv_role=self.kv_role,
+                        **self._transfer())
+
+    def _transfer(self) -> dict:
+        """What a router needs to price a fetch to this worker: its block's bytes (0: it takes
+        none) and the rate and per-call overhead it measured of its fetches (a prior until then)."""
+        t = self.kv_transfer
+        if t is None or not t.block_bytes:
+            return {}
+        return dict(kv_block_bytes=t.block_bytes, kv_fetch_bps=min(t.rate.bps, 1e12),
+                    kv_fetch_overhead_s=min(t.rate.overhead_s, 60.0))
 
     def _copy_tps(self, st) -> float:
         """Tokens per second of KV copies between the tiers, as measured so far (0: none yet)."""

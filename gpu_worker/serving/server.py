@@ -32,7 +32,7 @@ from pagoda.gpu_worker.runner.distributed import RankFailure
 from pagoda.gpu_worker.serving import args as worker_args
 from pagoda.gpu_worker.serving.async_llm import AsyncLLM, QueueFullError
 from pagoda.gpu_worker.serving.engine_client import EngineClient
-from pagoda.gpu_worker.serving.kv_transfer import KVFetcher, serve_fetch
+from pagoda.gpu_worker.serving.kv_transfer import KVFetcher, serve_fetch, transfer_block_bytes
 from pagoda.gpu_worker.serving.metrics import WorkerMetrics
 from pagoda.protos import redis_schema as rs
 from pagoda.protos.limits import Limits, check_fits, check_request
@@ -284,7 +284,8 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         return pb.LoRAAdaptersResponse(adapters=names)
 
     async def FetchKVBlocks(self, request, context):
-        async for resp in serve_fetch(self.engine, self.model_name, request, context, self.kv_fetcher.max_blocks):
+        fetcher = self.kv_fetcher
+        async for resp in serve_fetch(self.engine, self.model_name, request, context, fetcher.max_blocks, fetcher.served):
             yield resp
 
     async def Drain(self, request, context):
@@ -346,6 +347,9 @@ class Worker:
             self.metrics.serve(a.host, metrics_port)
         health_servicer = health.aio.HealthServicer()
         fetcher = KVFetcher(engine.model_name, self.peer_key, a.kv_fetch_max_blocks, a.kv_fetch_timeout)
+        fetcher.block_bytes = await engine.call(transfer_block_bytes)
+        if self.metrics is not None:
+            self.metrics.add_kv_transfer(fetcher.fetched, fetcher.served)
         self.service = WorkerService(engine, self.worker_id, self.metrics, health_servicer,
                                      on_drain=self._stop_publisher, limits=Limits.from_args(a),
                                      keyring=self.keyring, kv_fetcher=fetcher)
@@ -383,7 +387,8 @@ class Worker:
         self.publisher = Publisher(a.redis_url, self.worker_id, self.engine.model_name, address, self.engine,
                                    heartbeat_s=a.heartbeat_interval, snapshot_s=a.snapshot_interval,
                                    name=worker_args.worker_name(a, self.port), epoch=self.service.epoch,
-                                   tokenizer_digest=self.service.tokenizer.digest, kv_role=a.kv_role)
+                                   tokenizer_digest=self.service.tokenizer.digest, kv_transfer=self.service.kv_fetcher,
+                                   kv_role=a.kv_role)
         await self.publisher.start()
 
     async def _watch_engine(self) -> None:

@@ -84,3 +84,45 @@ def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
     for r in (2, 1, 0):
         x[r] = (m[r][3] - sum(m[r][k] * x[k] for k in range(r + 1, 3))) / m[r][r]
     return x if all(math.isfinite(v) for v in x) else None
+
+
+# A KV fetch from a peer until measured: 20 ms a call (engine-thread commands, a gRPC stream) and
+# 200 MB/s (one gRPC message a block; on this CPU a tiny model's 8 KiB blocks ran at ~15 MB/s
+# after ~17 ms, bench/RESULTS.md, and a real model's 1-2 MiB blocks run far faster).
+TRANSFER_PRIOR = (0.02, 1.0 / 200e6)
+
+
+class TransferRate:
+    """seconds = overhead_s + bytes / bps, fitted over completed fetches by least squares, older
+    ones decaying, ridge toward TRANSFER_PRIOR weighted as `prior_weight` of a fetch of
+    `prior_bytes`: the first fetch moves the figures most of the way, and fetches of one size
+    alone cannot tell overhead from rate, which then stay near the prior's split."""
+
+    def __init__(self, prior: Sequence[float] = TRANSFER_PRIOR, decay: float = 0.9, prior_bytes: float = 1 << 20,
+                 prior_weight: float = 0.1):
+        self.prior, self.decay = tuple(prior), decay
+        self._w = [prior_weight ** 0.5, prior_weight ** 0.5 * prior_bytes]   # per term, in its unit
+        self._s = [0.0] * 5                   # decayed sums: n, x, x^2, y, xy
+        self.theta = list(self.prior)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or not seconds > 0:
+            return
+        x, y, s = float(nbytes), float(seconds), self._s
+        for i, v in enumerate((1.0, x, x * x, y, x * y)):
+            s[i] = self.decay * s[i] + v
+        (wa, wb), (a0, b0) = self._w, self.prior
+        a11, a12, a22 = s[0] + wa, s[1], s[2] + wb * wb
+        b1, b2 = s[3] + wa * a0, s[4] + wb * wb * b0
+        det = a11 * a22 - a12 * a12
+        if det > 0:
+            a, b = (b1 * a22 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det
+            self.theta = [max(a, 0.0), max(b, b0 / 1000)]
+
+    @property
+    def overhead_s(self) -> float:
+        return self.theta[0]
+
+    @property
+    def bps(self) -> float:
+        return 1.0 / self.theta[1]
