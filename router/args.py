@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound on block hashes held in memory (least recently used go first)")
     p.add_argument("--speculative-ttl", type=float, default=10.0,
                    help="seconds a routed prefix counts as cached before its worker reports it")
+    p.add_argument("--kv-fetch-hints", choices=("on", "off"), default="on",
+                   help="prefix_aware: send a worker that lacks a prefix another live worker holds a hint to "
+                        "fetch those KV blocks from it, where the fetch (at the rate the worker measures) "
+                        "beats computing them")
     p.add_argument("--max-attempts", type=_positive, default=3,
                    help="workers tried for one request before the first token")
     p.add_argument("--first-token-timeout", type=float, default=60.0,

@@ -48,6 +48,9 @@ class RouterMetrics:
                                     "computed by the decode worker after all: prefill_failed (no prefill worker "
                                     "answered), recomputed (the fetch failed or came up short)",
                                     ["reason"], registry=r)
+        self.kv_fetch_hints = Counter("pagoda_router_kv_fetch_hints",
+                                      "Requests sent with a fetch hint: the worker pulls the prefix it lacks "
+                                      "from a peer that holds it (--kv-fetch-hints)", ["model"], registry=r)
         r.register(_ClusterCollector(cluster, index))
 
 

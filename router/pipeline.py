@@ -84,9 +84,11 @@ class Pipeline:
         self.metrics.decisions.labels(policy, "direct").inc()
         self.metrics.predicted_cached.inc(choice.cached_tokens)
         self.metrics.prompt_tokens.inc(p.prompt_len)
-        w = choice.worker
-        grant, expires = self.signer.sign(w.id, ident, p.upstream) if self.signer is not None else (b"", 0.0)
-        return pb.RouteResponse(worker_address=w.lease.address, worker_id=w.id, request=p.upstream, grant=grant,
+        w, upstream = choice.worker, self.select.upstream(choice, p.upstream)
+        if upstream is not p.upstream:
+            self.metrics.kv_fetch_hints.labels(p.model).inc()
+        grant, expires = self.signer.sign(w.id, ident, upstream) if self.signer is not None else (b"", 0.0)
+        return pb.RouteResponse(worker_address=w.lease.address, worker_id=w.id, request=upstream, grant=grant,
                                 expires_at=expires)
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None,

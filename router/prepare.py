@@ -111,6 +111,7 @@ class Preparer:
         upstream.CopyFrom(request)
         upstream.ClearField("text")
         upstream.ClearField("messages")
+        upstream.ClearField("kv_fetch")      # the router alone names a source (router/selection.py)
         upstream.token_ids[:] = token_ids
         upstream.model = model
         upstream.adapter = adapter

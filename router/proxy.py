@@ -101,7 +101,10 @@ class Proxy:
         # reopens it for other requests until the trial succeeds or fails.
         self.breaker.allow(w.id)
         self.selector.claim(choice, key, p.prompt_len, p.hashes)
-        call = self.channels.generate(w.lease.address)(p.upstream, timeout=timeout, metadata=p.metadata)
+        upstream = self.selector.upstream(choice, p.upstream)
+        if upstream is not p.upstream:
+            self.metrics.kv_fetch_hints.labels(p.model).inc()
+        call = self.channels.generate(w.lease.address)(upstream, timeout=timeout, metadata=p.metadata)
         checker.reset()
         wait = self.first_token_timeout
         try:

@@ -73,6 +73,22 @@ with Rc the copy rate the worker reports (kv_copy_tps, tokens per second), DEFAU
 until it has. A host hit thus ranks between a device hit and a miss: it saves as much as a device
 hit less the copy, and never less than nothing.
 
+Fetch (issue 36): a worker that lacks part of a prefix another live worker holds may fetch those
+blocks from the holder instead of computing them (gpu_worker/serving/kv_transfer.py; the hint goes
+with the request, router/selection.py). With C_max the deepest device holders' overlap and the
+source the least loaded of them, a worker that holds C < C_max of it (C' over both tiers) pays for
+the blocks it lacks the cheaper of
+
+    recompute  = (C_max - C') * per_token
+    fetch      = blocks lacking * kv_block_bytes / kv_fetch_bps + kv_fetch_overhead_s
+
+at its own figures: it fetches, and reports and the worker count the fetched tokens as cached,
+when the fetch is cheaper, so its cost falls by recompute - fetch. Only where both sides take
+fetches (kv_block_bytes > 0 in their leases, and equal: one layout and dtype) and the source is
+one of the ranked workers (live, not in a breaker's cooldown, of the request's model, serving its
+adapter); the namespace needs no check, since the chain's hashes fold it in. Under SPREAD the copy
+a worker makes is priced at that cheaper figure, not at its prefill.
+
 The cost is evaluated for all of a model's workers at once over numpy arrays of each worker's
 figures. A report rewrites its worker's row where the Redis sync applies it; credits, first
 tokens and ends mark the row for the next decision to recompute. A decision thus recomputes only
@@ -103,6 +119,9 @@ DEFAULT_PREFILL_TPS, DEFAULT_DECODE_TPS, DEFAULT_STEP_S, DEFAULT_BATCH_TOKENS = 
 # 128 KiB a token, and pinned copies over PCIe 4/5 run at 25-50 GB/s: ~200k-400k tokens/s; the
 # low end, 20x the default prefill rate.
 DEFAULT_KV_COPY_TPS = 200_000.0
+# A fetch from a peer, until the fetcher reports its own figures (it publishes a prior of its own
+# from its first heartbeat, gpu_worker/serving/step_rates.py: these cover a lease without them).
+DEFAULT_KV_FETCH_BPS, DEFAULT_KV_FETCH_OVERHEAD_S = 200e6, 0.02
 DEFAULT_OUTPUT_TOKENS = 128
 # How long after a request's end a report may still count it. A worker's report is built from
 # stats taken after the step that finished the request, and a finish changes its running count,
@@ -303,6 +322,15 @@ class WorkerState:
         return queue + kv + output_tokens * per_output
 
 
+def fetch_figures(lease: Lease) -> tuple[float, float, float]:
+    """(block bytes, seconds to fetch a block, seconds a fetch call costs besides) as the worker
+    reports them; infinite seconds where it takes no fetches."""
+    if not lease.kv_block_bytes:
+        return 0.0, INF, INF
+    return (float(lease.kv_block_bytes), lease.kv_block_bytes / (lease.kv_fetch_bps or DEFAULT_KV_FETCH_BPS),
+            lease.kv_fetch_overhead_s or DEFAULT_KV_FETCH_OVERHEAD_S)
+
+
 class Figures:
     """One model's workers as arrays of figures(). A report writes its worker's row when it is
     applied (WorkerState.on_heartbeat); the router's own changes (credits, first tokens, ends) mark
@@ -316,6 +344,9 @@ class Figures:
         cols = np.array([w.figures() for w in workers], dtype=np.float64).reshape(len(workers), 5)
         (self.drain_at, self.queued_s, self.kv, self.per_output,
          self.per_token) = (cols[:, i].copy() for i in range(5))
+        # Fetch figures (from the lease alone): block bytes, seconds a block, seconds a call.
+        cols = np.array([fetch_figures(w.lease) for w in workers], dtype=np.float64).reshape(len(workers), 3)
+        self.block_bytes, self.fetch_block_s, self.fetch_call_s = (cols[:, i].copy() for i in range(3))
         if register:
             for w in workers:
                 w._table = self
@@ -328,6 +359,7 @@ class Figures:
         if i is not None and self.workers[i] is w:
             (self.drain_at[i], self.queued_s[i], self.kv[i], self.per_output[i],
              self.per_token[i]) = w.figures()
+            self.block_bytes[i], self.fetch_block_s[i], self.fetch_call_s[i] = fetch_figures(w.lease)
         self.dirty.discard(w)
 
     def refresh(self) -> None:
@@ -354,12 +386,21 @@ class FigureTables:
         return f
 
 
+@dataclass(frozen=True)
+class Fetch:
+    """A fetch hint: the chosen worker pulls the prompt's leading blocks from `source` first."""
+    source: WorkerState
+    num_blocks: int          # the prompt's leading blocks the worker holds once fetched (KVFetchHint.num_blocks)
+    own_tokens: int          # what it held of the prompt itself (the prediction before the fetch)
+
+
 @dataclass
 class Choice:
     worker: WorkerState
     cost: float
-    cached_tokens: int       # predicted prefix-cache hit on this worker
+    cached_tokens: int       # predicted prefix-cache hit on this worker (fetched blocks included)
     prefix: bytes | None = None   # the deepest block any worker holds of the prompt (prefix_live's key)
+    fetch: Fetch | None = None    # where it fetches the prefix it lacks from, when that beats computing it
 
 
 def prefix_key(hashes: Sequence[bytes], overlap: dict[str, int], prompt_len: int, block: int) -> bytes | None:
@@ -416,6 +457,35 @@ def host_hits(f: Figures, cached: dict[int, int], tiered: dict[str, int], block:
     return extras
 
 
+def price_fetch(f: Figures, cost: np.ndarray, device: dict[int, int], cached: dict[int, int], load: np.ndarray,
+                block: int) -> tuple[np.ndarray | None, dict[int, Fetch]]:
+    """Fetch against recompute (module docstring): each worker's cost falls by what fetching the
+    prefix it lacks saves over computing it (in place). `device`: row -> device overlap (sources);
+    `cached`: row -> overlap over both tiers (what each worker lacks). -> (seconds each worker pays
+    for the deepest prefix it lacks, the cheaper way, or None when no fetch is possible; row ->
+    its Fetch where fetching wins)."""
+    deepest = max(device.values())
+    holders = [i for i, c in device.items() if c == deepest and f.fetch_block_s[i] < INF]
+    if not holders or deepest < block:
+        return None, {}
+    src = min(holders, key=load.__getitem__)          # the least loaded of the deepest holders
+    have = np.zeros(len(cost))
+    for i, c in cached.items():
+        have[i] = c
+    np.minimum(have, deepest, out=have)
+    recompute = (deepest - have) * f.per_token
+    lacking = deepest // block - have // block
+    # Both sides take fetches, in one layout and dtype (another would fail the fetch), and one lacks blocks.
+    ok = (lacking > 0) & (f.fetch_block_s < INF) & (f.block_bytes == f.block_bytes[src])
+    fetch = np.full(len(cost), INF)
+    fetch[ok] = lacking[ok] * f.fetch_block_s[ok] + f.fetch_call_s[ok]
+    price = np.minimum(recompute, fetch)
+    cost -= recompute - price
+    fetches = {i: Fetch(f.workers[src], deepest // block, int(have[i]))
+               for i in np.flatnonzero(fetch < recompute).tolist()}
+    return price, fetches
+
+
 def add_lora_load(cost: np.ndarray, workers: list[WorkerState], adapter: str) -> None:
     """A worker without the LoRA `adapter` in a device slot pays LORA_LOAD_S (in place)."""
     for i, w in enumerate(workers):
@@ -424,8 +494,9 @@ def add_lora_load(cost: np.ndarray, workers: list[WorkerState], adapter: str) ->
 
 
 def cheapest(workers: list[WorkerState], cost: np.ndarray, cached: dict[int, int], prefix: bytes | None,
-             limit: int | None, rng: random.Random) -> list[Choice]:
-    """The `limit` cheapest workers (all, when None) best first; ties break at random."""
+             limit: int | None, rng: random.Random, fetches: dict[int, Fetch] | None = None) -> list[Choice]:
+    """The `limit` cheapest workers (all, when None) best first; ties break at random. `fetches`:
+    row -> the fetch hint it is sent with (its predicted hit: the fetched prefix)."""
     n = len(workers)
     k = n if limit is None else min(limit, n)
     rand = rng.random
@@ -437,4 +508,8 @@ def cheapest(workers: list[WorkerState], cost: np.ndarray, cached: dict[int, int
         kth = np.partition(cost, k - 1)[k - 1]
         pick = np.flatnonzero(cost <= kth)
         tied = [(c, rand(), i) for c, i in zip(cost[pick].tolist(), pick.tolist())]
+    if fetches:
+        return [Choice(workers[i], c, cached.get(i, 0), prefix) if (x := fetches.get(i)) is None else
+                Choice(workers[i], c, max(x.num_blocks * workers[i].lease.block_size, x.own_tokens), prefix, x)
+                for c, _, i in sorted(tied)[:k]]
     return [Choice(workers[i], c, cached.get(i, 0), prefix) for c, _, i in sorted(tied)[:k]]

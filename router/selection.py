@@ -10,6 +10,7 @@ import random
 import time
 from typing import Sequence
 
+from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 from pagoda.router.breaker import CircuitBreaker
 from pagoda.router.index import BlockIndex
 from pagoda.router.policies.base import Query
@@ -23,9 +24,10 @@ class Scorer:
     from finished requests, go to the policy, which ranks with no I/O."""
 
     def __init__(self, policy: str, index: BlockIndex, rng: random.Random | None = None,
-                 balance: float = BALANCE, spread: bool = True):
-        """`policy`: a name in POLICIES; `spread` False: SPREAD off (bench comparisons)."""
-        self.ranker = make_policy(policy, rng or random.Random(), balance, spread)
+                 balance: float = BALANCE, spread: bool = True, fetch: bool = True):
+        """`policy`: a name in POLICIES; `spread` False: SPREAD off (bench comparisons); `fetch`
+        False: no fetch hints (--kv-fetch-hints off)."""
+        self.ranker = make_policy(policy, rng or random.Random(), balance, spread, fetch)
         self.policy, self.index = policy, index
         self.output_tokens = float(DEFAULT_OUTPUT_TOKENS)     # O: moving average of finished outputs
 
@@ -87,4 +89,18 @@ class Selector:
         w = choice.worker
         w.credit(request_id, prompt_len - choice.cached_tokens, time.time() if sent_at is None else sent_at,
                  choice.prefix, direct)
-        self.scorer.index.speculate(w.id, hashes[choice.cached_tokens // w.lease.block_size:], now)
+        held = choice.cached_tokens if choice.fetch is None else choice.fetch.own_tokens    # fetched ones come too
+        self.scorer.index.speculate(w.id, hashes[held // w.lease.block_size:], now)
+
+    def upstream(self, choice: Choice, request: pb.GenerateRequest) -> pb.GenerateRequest:
+        """What `choice`'s worker is sent: `request`, with the fetch hint of the choice when it has
+        one whose source is not sitting out a breaker cooldown (a copy: the request stays as it is
+        for the next attempt)."""
+        fetch = choice.fetch
+        if fetch is None or self.breaker.is_open(fetch.source.id):
+            return request
+        hinted = pb.GenerateRequest()
+        hinted.CopyFrom(request)
+        hinted.kv_fetch.CopyFrom(pb.KVFetchHint(source_address=fetch.source.lease.address,
+                                                num_blocks=fetch.num_blocks))
+        return hinted

@@ -58,7 +58,8 @@ class Router:
         except (OSError, ValueError) as e:
             raise StartupError(f"TLS/keys: {e}") from None
         self.channels = WorkerChannels(worker_creds, worker_key)
-        self.pipeline = Pipeline(self.cluster, Scorer(a.policy, self.index), self.metrics, self.channels,
+        scorer = Scorer(a.policy, self.index, fetch=a.kv_fetch_hints == "on")
+        self.pipeline = Pipeline(self.cluster, scorer, self.metrics, self.channels,
                                  a.max_attempts, Limits.from_args(a), a.first_token_timeout, self.keyring,
                                  GrantSigner(worker_key) if worker_key else None)
         self.service = RouterService(self.pipeline)

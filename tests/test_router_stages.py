@@ -77,11 +77,14 @@ def test_preparation_hands_on_a_tokenized_tenant_scoped_request_with_its_hashes(
             text = " ".join(["aa", "bb", "cc", "dd"] * 9)
             ids = PromptTokenizer(TOK, TOKENIZER_CONFIG).encode_text(text)
             req = pb.GenerateRequest(request_id="r1", text=text, cache_salt="s", adapter="x",
-                                     sampling=pb.SamplingParams(max_tokens=3))
+                                     sampling=pb.SamplingParams(max_tokens=3),
+                                     kv_fetch=pb.KVFetchHint(source_address="10.9.9.9:1", num_blocks=2))
             p = await pipeline.prepare.prepare(req, Identity("alice"))
             up = p.upstream
             assert (p.model, p.field, p.caller_id, p.prompt_len) == ("m", "text", "r1", len(ids))
             assert list(up.token_ids) == ids and not up.HasField("text") and up.model == "m"
+            # A fetch hint is the router's to give (a worker sends its peer key to the source it names).
+            assert not up.HasField("kv_fetch")
             # The worker scopes salt and id for the tenant the call names; the router hashes in
             # that same scoped namespace, and keeps its ledger under the scoped id.
             assert up.cache_salt == "s" and up.request_id == "r1" and up.adapter == "x"

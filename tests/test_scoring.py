@@ -310,3 +310,114 @@ def test_preparation_hashes_each_namespace_with_its_own_root_however_many_it_has
             hashes = prepare.hashes("m", adapter, salt, ids, 16)
             assert list(hashes) == block_hashes(ids, 16, namespace_root("m", adapter, salt))
     assert len(prepare._roots) <= 4096                      # the root cache is bounded
+
+
+# ---- fetch hints: fetch a prefix a peer holds, where that beats computing it (issue 36) -----------
+
+# 8 KiB blocks at 1000 blocks a second, 20 ms a call: 100 blocks (1600 tokens) fetch in 0.12 s, where
+# computing them takes 1600 * per_token() = 1.76 s; 2 blocks fetch in 0.022 s against 0.035 s.
+FETCH = dict(kv_block_bytes=8192, kv_fetch_bps=8192e3, kv_fetch_overhead_s=0.02)
+
+
+def fetcher(wid, **load):
+    return worker(wid, rates={**RATES, **FETCH}, **load)
+
+
+def test_a_worker_lacking_a_long_prefix_a_peer_holds_fetches_it_when_that_beats_computing_it():
+    idx, h = BlockIndex(), chain(100)
+    idx.add("a", h)
+    a, b = fetcher("a", queued_prefill_tokens=1000), fetcher("b")     # a's queue outweighs the fetch
+    ranked = scorer(idx=idx).rank("m", [a, b], 1700, h, now=0.0)
+    best = ranked[0]
+    assert best.worker is b and best.fetch is not None
+    assert (best.fetch.source, best.fetch.num_blocks, best.fetch.own_tokens) == (a, 100, 0)
+    assert best.cached_tokens == 1600                   # the fetched prefix is predicted as cached
+    fetch_s = 100 * 8192 / 8192e3 + 0.02
+    assert best.cost == pytest.approx(100 * per_token() + fetch_s)
+    assert ranked[1].worker is a and ranked[1].fetch is None    # the holder itself is never hinted
+    # Without hints b would compute the 1600 tokens: a, queued as it is, stays cheaper.
+    off = scorer(idx=idx, fetch=False).rank("m", [fetcher("a", queued_prefill_tokens=1000), fetcher("b")],
+                                            1700, h, now=0.0)
+    assert off[0].worker.id == "a" and all(c.fetch is None for c in off)
+
+
+def test_a_short_prefix_is_computed_not_fetched():
+    idx, h = BlockIndex(), chain(2)
+    idx.add("a", h)
+    slow_call = dict(FETCH, kv_fetch_overhead_s=0.05)                 # 0.052 s against 0.035 s of prefill
+    a = worker("a", rates={**RATES, **slow_call}, queued_prefill_tokens=100)
+    b = worker("b", rates={**RATES, **slow_call})
+    best = scorer(idx=idx).rank("m", [a, b], 40, h, now=0.0)[0]
+    assert best.worker is b and best.fetch is None and best.cached_tokens == 0
+    assert best.cost == pytest.approx(40 * per_token())
+
+
+def test_a_partial_holder_fetches_only_what_it_lacks_from_the_deepest_least_loaded_holder():
+    idx, h = BlockIndex(), chain(100)
+    idx.add("a", h)
+    idx.add("c", h)
+    idx.add("b", h[:40])
+    a, c = fetcher("a", queued_prefill_tokens=3000), fetcher("c", queued_prefill_tokens=2000)
+    b = fetcher("b")
+    best = scorer(idx=idx).rank("m", [a, b, c], 1700, h, now=0.0)[0]
+    assert best.worker is b and best.fetch is not None
+    assert (best.fetch.source, best.fetch.num_blocks, best.fetch.own_tokens) == (c, 100, 640)
+    assert best.cost == pytest.approx(100 * per_token() + 60 * 8192 / 8192e3 + 0.02)
+
+
+def test_no_hint_names_a_source_that_is_not_a_ranked_worker_or_cannot_serve_it():
+    idx, h = BlockIndex(), chain(100)
+    idx.add("dead", h)                                  # in the index, but no live lease: not ranked
+    ranked = scorer(idx=idx).rank("m", [fetcher("b"), fetcher("c")], 1700, h, now=0.0)
+    assert all(c.fetch is None and c.cached_tokens == 0 for c in ranked)
+    # A holder whose lease says it takes no fetches (tensor parallel, prefix caching off, an older
+    # worker), or whose blocks are another size (another KV dtype), is no source; nor is a target
+    # that takes none.
+    idx.add("a", h)
+    for a, b in ((worker("a", queued_prefill_tokens=3000), fetcher("b")),
+                 (fetcher("a", queued_prefill_tokens=3000), worker("b")),
+                 (worker("a", rates={**RATES, **FETCH, "kv_block_bytes": 4096}, queued_prefill_tokens=3000),
+                  fetcher("b"))):
+        assert all(c.fetch is None for c in scorer(idx=idx).rank("m", [a, b], 1700, h, now=0.0))
+
+
+def test_the_hint_goes_with_the_request_to_its_worker_alone_and_claim_speculates_the_fetched_blocks():
+    from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
+    from pagoda.router.breaker import CircuitBreaker
+    from pagoda.router.selection import Selector
+    idx, h = BlockIndex(speculative_ttl_s=5), chain(100)
+    idx.add("a", h)
+    idx.add("b", h[:10])
+    a, b = fetcher("a", queued_prefill_tokens=3000), fetcher("b")
+    breaker = CircuitBreaker()
+    select = Selector(scorer(idx=idx), breaker)
+    best = select.rank("m", [a, b], 1700, h, now=0.0)[0]
+    assert best.worker is b and best.fetch is not None and best.fetch.own_tokens == 160
+    request = pb.GenerateRequest(token_ids=list(range(1700)))
+    sent = select.upstream(best, request)
+    assert sent.kv_fetch == pb.KVFetchHint(source_address="h:a", num_blocks=100)
+    assert not request.HasField("kv_fetch")             # the next attempt starts from the request as it was
+    assert select.upstream(select.rank("m", [a, b], 1700, h, now=0.0)[1], request) is request
+    select.claim(best, "r1", 1700, h, sent_at=10.0, now=100.0)
+    assert b.credits["r1"].prefill_tokens == 100
+    assert {x for x, t in idx._by_worker["b"].items() if t is not None} == set(h[10:])
+    for _ in range(breaker.threshold):                  # the source sits out a cooldown: no hint
+        breaker.failure("a")
+    assert select.upstream(best, request) is request
+
+
+def test_spread_prices_a_hot_prefixs_copy_at_its_fetch_where_that_is_cheaper():
+    from pagoda.router.scoring import prefix_key
+    idx, h = BlockIndex(), chain(100)
+    idx.add("a", h)
+    a, b = fetcher("a", running=4, queued_prefill_tokens=100), fetcher("b")
+    for r in range(4):                                  # four requests of the prefix running on a
+        a.credit(f"r{r}", 0, now=-1.0, prefix=h[-1])
+    key = prefix_key(h, {"a": 100}, 1700, 16)
+    s = scorer(idx=idx)
+    by_id = {c.worker.id: c for c in s.rank("m", [a, b], 1700, h, now=0.0)}
+    # u = 4 / 2 = 2: b pays half of the cheaper way to the prefix (its fetch), not of its prefill.
+    fetch_s = 100 * 8192 / 8192e3 + 0.02
+    load_b = 0.0
+    assert key == h[-1] and by_id["b"].fetch is not None
+    assert by_id["b"].cost == pytest.approx(load_b + 100 * per_token() + fetch_s - 0.5 * fetch_s)

@@ -33,6 +33,7 @@ class Settings:
     rng: random.Random               # ties break at random
     balance: float = BALANCE         # how far past the mean load a cache hit may keep a worker
     spread: bool = True              # SPREAD (prefix_aware only); off for bench comparisons
+    fetch: bool = True               # fetch hints (prefix_aware only): --kv-fetch-hints
 
     def __post_init__(self) -> None:
         if not self.balance >= 1.0:

@@ -15,8 +15,9 @@ REGISTRY: dict[str, Callable[[Settings], Policy]] = {
 POLICIES = tuple(REGISTRY)       # prefix_aware first: the default
 
 
-def make_policy(name: str, rng: random.Random, balance: float = BALANCE, spread: bool = True) -> Policy:
+def make_policy(name: str, rng: random.Random, balance: float = BALANCE, spread: bool = True,
+                fetch: bool = True) -> Policy:
     make = REGISTRY.get(name)
     if make is None:
         raise ValueError(f"policy: must be one of {', '.join(POLICIES)} (got {name!r})")
-    return make(Settings(rng, balance, spread))
+    return make(Settings(rng, balance, spread, fetch))
