@@ -480,7 +480,7 @@ def test_schema_embeds_current_kubernetes_definitions():
 
 def test_tls_and_key_files_the_chart_passes_come_from_the_named_secrets():
     docs = render(EVERYTHING)
-    want = {"router": {"router-tls", "keys", "worker-ca", "router-key"}, "worker": {"worker-tls", "keys"}}
+    want = {"router": {"router-tls", "keys", "worker-ca", "router-key"}, "worker": {"worker-tls", "keys", "peer-key"}}
     for d, spec, c in containers(docs):
         if component(d) not in want:
             continue
@@ -502,12 +502,15 @@ def test_direct_mode_clients_may_reach_workers_when_named():
         assert [p for p in grpc_rule["from"] if "podSelector" not in p] == want
         assert any(p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") == "router"
                    for p in grpc_rule["from"])
+        # Peers of its group fetch KV from it (a router's fetch hint).
+        assert any(p.get("podSelector", {}).get("matchLabels", {}).get("pagoda.io/worker-group") == "default"
+                   for p in grpc_rule["from"])
 
 
 def test_decode_workers_may_fetch_from_prefill_workers():
     """Prefill/decode disaggregation: two groups of one model, one per --kv-role; the prefill
     group's gRPC port also admits the release's workers (decode workers fetch KV blocks there),
-    other groups' only the routers."""
+    other groups' only the routers and their own group's peers."""
     from tests.test_helm_flags import resolved_args
     docs = render(example_values("disaggregated"))
     roles = {}
@@ -519,6 +522,7 @@ def test_decode_workers_may_fetch_from_prefill_workers():
     for group, fetched in (("prefill", True), ("decode", False)):
         rule = find(docs, "NetworkPolicy", f"rel-pagoda-worker-{group}")[0]["spec"]["ingress"][0]
         comps = [p["podSelector"]["matchLabels"] for p in rule["from"]]
-        workers = [m for m in comps if m.get("app.kubernetes.io/component") == "worker"]
+        workers = [m for m in comps if m.get("app.kubernetes.io/component") == "worker"
+                   and "pagoda.io/worker-group" not in m]      # beyond its own group's peers
         assert workers == ([{"app.kubernetes.io/name": "pagoda", "app.kubernetes.io/instance": "rel",
                              "app.kubernetes.io/component": "worker"}] if fetched else [])

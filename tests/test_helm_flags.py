@@ -78,10 +78,8 @@ def test_every_flag_the_chart_passes_is_accepted(case):
         parse(c["command"][1], resolved_args(docs, c))
 
 
-# Worker flags the chart does not pass yet, each with its reason. KV transfer (phase 1) moves blocks
-# only when a request carries a fetch hint, and no router sets one yet: the chart gains these
-# values (and a secret for the peer key) with the router's side.
-NOT_IN_CHART_YET = {"--kv-peer-api-key-file", "--kv-fetch-max-blocks", "--kv-fetch-timeout"}
+# Worker flags the chart does not pass yet, each with its reason (none now).
+NOT_IN_CHART_YET: set[str] = set()
 
 
 def option_strings(parser) -> set[str]:
@@ -97,7 +95,7 @@ def test_values_map_one_to_one_onto_flags():
         "router": {"index_max_blocks": r["indexMaxBlocks"], "speculative_ttl": r["speculativeTtl"],
                    "max_attempts": r["maxAttempts"], "port": 50050, "metrics_port": 9101, "http_port": 8000,
                    "redis_url": "redis://rel-pagoda-redis:6379/0", "policy": "prefix_aware",
-                   "tool_call_parser": "llama3_json",
+                   "tool_call_parser": "llama3_json", "kv_fetch_hints": "off",
                    "first_token_timeout": 20, "max_snapshot_bytes": 1 << 24, "max_concurrent_streams": 512,
                    "http_max_body_bytes": 1 << 22, "http_max_json_depth": 32, "http_read_timeout": 12.5,
                    "http_idle_timeout": 40, "http_write_timeout": 15, "http_send_buffer_bytes": 1 << 17,
@@ -121,7 +119,9 @@ def test_values_map_one_to_one_onto_flags():
                    "redis_url": "redis://rel-pagoda-redis:6379/0", "gpu_memory_utilization": 0.9,
                    "max_num_seqs": 256, "drain_grace_seconds": 30, "log_level": "INFO",
                    "max_concurrent_streams": 4096, "max_prompt_bytes": 1 << 19, "max_stop": 8,
-                   "tls_key": "/etc/pagoda/tls/tls.key", "api_keys_file": "/etc/pagoda/api-keys/api-keys"},
+                   "tls_key": "/etc/pagoda/tls/tls.key", "api_keys_file": "/etc/pagoda/api-keys/api-keys",
+                   "kv_peer_api_key_file": "/etc/pagoda/kv-peer-api-key/kv-peer-api-key",
+                   "kv_fetch_max_blocks": 256, "kv_fetch_timeout": 2.5},
     }
     covered = {"router": False, "worker": False}
     for docs, d, c in pagoda_containers(EVERYTHING):
@@ -160,7 +160,7 @@ def test_unset_values_leave_the_cli_defaults():
                  "http_batch_seqs_per_worker"] if cmd == "router" else \
             ["num_kv_blocks", "kv_cache_memory", "max_model_len", "max_num_batched_tokens", "max_waiting",
              "heartbeat_interval", "snapshot_interval", "quantization",
-             "stream_interval"]
+             "stream_interval", "kv_fetch_max_blocks", "kv_fetch_timeout", "kv_peer_api_key_file"]
         for dest in unset:
             assert getattr(ns, dest) == getattr(defaults, dest), dest
 

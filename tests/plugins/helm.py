@@ -32,7 +32,7 @@ EVERYTHING = {
                    "maxLogitBias": 100, "maxStop": 8, "maxIdBytes": 128},
         "tls": {"secretName": "router-tls", "clientCa": True}, "apiKeysSecret": {"name": "keys", "key": "k"},
         "workerTls": {"secretName": "worker-ca", "clientCert": True},
-        "workerApiKeySecret": {"name": "router-key", "key": "key"},
+        "workerApiKeySecret": {"name": "router-key", "key": "key"}, "kvFetchHints": "off",
         "extraEnv": [{"name": "GRPC_VERBOSITY", "value": "info"}],
         "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
             {"weight": 50, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
@@ -56,6 +56,7 @@ EVERYTHING = {
                                                   "maxPromptTokens": 8192, "maxLogitBias": 100, "maxStop": 8,
                                                   "maxIdBytes": 128},
         "tls": {"secretName": "worker-tls", "clientCa": True}, "apiKeysSecret": {"name": "keys", "key": "k"},
+        "kvPeerApiKeySecret": {"name": "peer-key", "key": "key"}, "kvFetchMaxBlocks": 256, "kvFetchTimeout": 2.5,
         "nodeSelector": {"gpu": "h100"},
         "podAnnotations": {"note": "x"},
     },
