@@ -2,7 +2,8 @@
 prompt; worker B serves it with a fetch hint naming A: B reports the fetched blocks as cached prompt
 tokens, and its greedy tokens equal the run without transfer, which equal transformers'. A wrong
 key is refused; a source that dies, a truncated stream and a block whose bytes do not match fall
-back to recompute with the same tokens; no block leaks on either worker."""
+back to recompute with the same tokens; no block leaks on either worker. Requests go as a router
+sends them (its admin key, acting for tenant acme): a tenant's own key may not set a hint."""
 import random
 import time
 
@@ -12,6 +13,7 @@ import pytest
 from pagoda.gpu_worker.serving.kv_transfer import FAULT_ENV, WRITE_WINDOW
 from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.runtime.security import TENANT_HEADER
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -36,13 +38,16 @@ def start(start_worker, model, keys, peer="peer", **extra):
                         **FLAGS, **extra)
 
 
-def generate(address, key=TENANT, source=None, prompt=PROMPT, max_tokens=12):
+def generate(address, key=ADMIN, tenant="acme", source=None, prompt=PROMPT, max_tokens=12, credentials=None):
+    """As a router sends a request: its admin key, acting for `tenant` (None: the key's own identity)."""
     req = pb.GenerateRequest(token_ids=prompt, sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens))
     if source is not None:
         req.kv_fetch.CopyFrom(pb.KVFetchHint(source_address=source, num_blocks=len(prompt) // BLOCK))
     tokens, usage = [], None
-    with grpc.insecure_channel(address) as ch:
-        for r in pb_grpc.GenerationStub(ch).Generate(req, metadata=[("authorization", f"Bearer {key}")], timeout=60):
+    metadata = [("authorization", f"Bearer {key}")] + ([(TENANT_HEADER, tenant.encode())] if tenant else [])
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel as ch:
+        for r in pb_grpc.GenerationStub(ch).Generate(req, metadata=metadata, timeout=60):
             tokens += r.token_ids
             if r.finished:
                 usage = r.usage
@@ -102,7 +107,7 @@ def test_fetched_blocks_are_cache_hits_with_the_same_tokens(start_worker, tiny_m
 def test_another_tenants_namespace_fetches_nothing(start_worker, tiny_model, keys, source, reference):
     """B acting as the admin (no tenant salt) asks for other hashes than acme's: A holds none."""
     b = start(start_worker, tiny_model, keys)
-    got, usage = generate(b.address, key=ADMIN, source=source.address)
+    got, usage = generate(b.address, tenant=None, source=source.address)
     assert usage.cached_prompt_tokens == 0 and got == reference
     wait_all_free(b.address)
 
@@ -112,6 +117,10 @@ def test_a_wrong_key_is_refused_and_the_request_recomputes(start_worker, tiny_mo
     got, usage = generate(b.address, source=source.address)
     assert usage.cached_prompt_tokens == 0 and got == reference
     assert "UNAUTHENTICATED" in b.log()
+    # A tenant may not name a source itself: the fetch would send B's peer key wherever it points.
+    with pytest.raises(grpc.RpcError) as e:
+        generate(b.address, key=TENANT, tenant=None, source="127.0.0.1:9")
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "kv_fetch" in e.value.details()
     wait_all_free(b.address)
     with grpc.insecure_channel(source.address) as ch:
         stub = pb_grpc.AdminStub(ch)
@@ -141,3 +150,15 @@ def test_a_broken_transfer_falls_back_to_recompute(start_worker, tiny_model, key
         assert a.proc.wait(10) == 17
     else:
         wait_all_free(a.address)
+
+
+def test_workers_serving_tls_fetch_from_each_other_over_tls(start_worker, tiny_model, keys, test_certs, reference):
+    """mTLS workers (one CA, as the chart's one Secret): B verifies A with its client CA and shows its
+    own certificate; a plaintext fetch would fail and recompute (0 cached)."""
+    c = test_certs
+    tls = dict(tls_cert=c.server_cert, tls_key=c.server_key, tls_client_ca=c.ca)
+    a, b = (start(start_worker, tiny_model, keys, **tls) for _ in range(2))
+    creds = grpc.ssl_channel_credentials(*(open(p, "rb").read() for p in (c.ca, c.client_key, c.client_cert)))
+    generate(a.address, credentials=creds)
+    got, usage = generate(b.address, source=a.address, credentials=creds)
+    assert usage.cached_prompt_tokens == FETCHABLE and got == reference

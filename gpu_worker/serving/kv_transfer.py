@@ -15,8 +15,10 @@ block per message (K then V of every layer, raw, in the pool's dtype). What was 
 
 Auth: the call is on the Admin service, so the AuthInterceptor (runtime/security.py) already
 refuses it without an admin key; a fetching worker sends `--kv-peer-api-key-file`'s key (an
-admin key in its peers' keys files, as the router's --worker-api-key-file). Bounds: at most
-max_blocks a fetch, one deadline for the whole call.
+admin key in its peers' keys files, as the router's --worker-api-key-file). Only a router may set
+a hint (server.py refuses one from a tenant's key): the key goes wherever the hint points. A
+worker that serves TLS reaches its peers over TLS too, as a router reaches workers
+(peer_credentials). Bounds: at most max_blocks a fetch, one deadline for the whole call.
 
 Verification: the receiver computes the chain itself from the request's token ids and its own
 namespace root (model, adapter, tenant-scoped salt), asks for exactly those hashes, and takes a
@@ -48,6 +50,7 @@ from pagoda.gpu_worker.serving.step_rates import TransferRate
 from pagoda.protos.block_hash import block_hashes, namespace_root
 from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
+from pagoda.runtime.security import channel_credentials
 
 if TYPE_CHECKING:
     from pagoda.gpu_worker.engine.llm_engine import LLMEngine
@@ -291,12 +294,23 @@ async def serve_fetch(engine: EngineClient, model_name: str, request: pb.FetchKV
 
 # ---- receiver side (event loop) -----------------------------------------------------------------
 
+def peer_credentials(tls_cert: Optional[str], tls_key: Optional[str],
+                     tls_client_ca: Optional[str]) -> Optional[grpc.ChannelCredentials]:
+    """A worker serving TLS (--tls-cert) fetches from its peers over TLS: it verifies them with the
+    CA it requires of clients (--tls-client-ca; the system's roots without it) and shows its own
+    certificate, for peers that require mTLS. The chart gives every worker one Secret (tls.crt,
+    tls.key, ca.crt), so one CA signed them all. None (plaintext) when it serves none."""
+    return channel_credentials(tls_client_ca, tls_cert, tls_key) if tls_cert else None
+
+
 class KVFetcher:
     """Pulls a request's leading blocks from a peer before the request is added to the engine."""
 
     def __init__(self, model_name: str, api_key: Optional[str] = None, max_blocks: int = 512,
-                 timeout_s: float = 10.0):
+                 timeout_s: float = 10.0, credentials: Optional[grpc.ChannelCredentials] = None):
+        """`credentials`: TLS to peers (None: plaintext), peer_credentials() of the worker's flags."""
         self.model_name, self.max_blocks, self.timeout_s = model_name, max_blocks, timeout_s
+        self.credentials = credentials
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.fetched = TransferTally()      # as fetcher
@@ -307,7 +321,8 @@ class KVFetcher:
     def _stub(self, address: str) -> pb_grpc.AdminStub:
         ch = self.channels.get(address)
         if ch is None:
-            ch = self.channels[address] = grpc.aio.insecure_channel(address)
+            ch = self.channels[address] = (grpc.aio.secure_channel(address, self.credentials)
+                                           if self.credentials is not None else grpc.aio.insecure_channel(address))
         return pb_grpc.AdminStub(ch)
 
     async def fetch(self, engine: EngineClient, token_ids: list[int], hint: pb.KVFetchHint,

@@ -32,7 +32,7 @@ from pagoda.gpu_worker.runner.distributed import RankFailure
 from pagoda.gpu_worker.serving import args as worker_args
 from pagoda.gpu_worker.serving.async_llm import AsyncLLM, QueueFullError
 from pagoda.gpu_worker.serving.engine_client import EngineClient
-from pagoda.gpu_worker.serving.kv_transfer import KVFetcher, serve_fetch, transfer_block_bytes
+from pagoda.gpu_worker.serving.kv_transfer import KVFetcher, peer_credentials, serve_fetch, transfer_block_bytes
 from pagoda.gpu_worker.serving.metrics import WorkerMetrics
 from pagoda.protos import redis_schema as rs
 from pagoda.protos.limits import Limits, check_fits, check_request
@@ -46,6 +46,7 @@ from pagoda.runtime.security import (
     KeyRing,
     acting_identity,
     grant_of,
+    identity,
     read_key,
     scoped_id,
     scoped_salt,
@@ -120,6 +121,12 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
                 ident = self.grants.verify(grant, request)
             except GrantError as e:
                 await context.abort(e.code, str(e))
+        if request.HasField("kv_fetch") and grant is None and self.keyring is not None and not getattr(
+                identity(self.keyring, context), "admin", False):
+            # The fetch sends this worker's peer key to the source the hint names: only the router
+            # (an admin key, or the grant it signed over the request) may name one.
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "kv_fetch: only a router (an admin key, or its grant) may set a fetch hint")
         try:
             field, ids = await self._prompt_ids(request)
             params = sampling_from_proto(request.sampling)
@@ -346,7 +353,8 @@ class Worker:
             self.metrics = WorkerMetrics(engine.stats, engine.model_name, a.metrics_prefix, a.kv_role)
             self.metrics.serve(a.host, metrics_port)
         health_servicer = health.aio.HealthServicer()
-        fetcher = KVFetcher(engine.model_name, self.peer_key, a.kv_fetch_max_blocks, a.kv_fetch_timeout)
+        fetcher = KVFetcher(engine.model_name, self.peer_key, a.kv_fetch_max_blocks, a.kv_fetch_timeout,
+                            peer_credentials(a.tls_cert, a.tls_key, a.tls_client_ca))
         fetcher.block_bytes = await engine.call(transfer_block_bytes)
         if self.metrics is not None:
             self.metrics.add_kv_transfer(fetcher.fetched, fetcher.served)
