@@ -324,9 +324,9 @@ class WorkerState:
 
 def fetch_figures(lease: Lease) -> tuple[float, float, float]:
     """(block bytes, seconds to fetch a block, seconds a fetch call costs besides) as the worker
-    reports them; infinite seconds where it takes no fetches."""
+    reports them; an infinite call where it takes no fetches."""
     if not lease.kv_block_bytes:
-        return 0.0, INF, INF
+        return 0.0, 0.0, INF
     return (float(lease.kv_block_bytes), lease.kv_block_bytes / (lease.kv_fetch_bps or DEFAULT_KV_FETCH_BPS),
             lease.kv_fetch_overhead_s or DEFAULT_KV_FETCH_OVERHEAD_S)
 
@@ -457,33 +457,45 @@ def host_hits(f: Figures, cached: dict[int, int], tiered: dict[str, int], block:
     return extras
 
 
+@dataclass
+class FetchPlan:
+    """price_fetch's answer: the source, the prompt's blocks it holds, and per worker whether
+    fetching wins and what it held itself (Fetch objects are made for the chosen few alone)."""
+    source: WorkerState
+    num_blocks: int
+    wins: np.ndarray
+    have: np.ndarray
+
+    def fetch(self, i: int) -> Fetch | None:
+        return Fetch(self.source, self.num_blocks, int(self.have[i])) if self.wins[i] else None
+
+
 def price_fetch(f: Figures, cost: np.ndarray, device: dict[int, int], cached: dict[int, int], load: np.ndarray,
-                block: int) -> tuple[np.ndarray | None, dict[int, Fetch]]:
+                block: int) -> tuple[np.ndarray | None, FetchPlan | None]:
     """Fetch against recompute (module docstring): each worker's cost falls by what fetching the
     prefix it lacks saves over computing it (in place). `device`: row -> device overlap (sources);
     `cached`: row -> overlap over both tiers (what each worker lacks). -> (seconds each worker pays
-    for the deepest prefix it lacks, the cheaper way, or None when no fetch is possible; row ->
-    its Fetch where fetching wins)."""
+    for the deepest prefix it lacks, the cheaper way; the plan), or (None, None) when no fetch can be."""
     deepest = max(device.values())
-    holders = [i for i, c in device.items() if c == deepest and f.fetch_block_s[i] < INF]
+    holders = [i for i, c in device.items() if c == deepest and f.fetch_call_s[i] < INF]
     if not holders or deepest < block:
-        return None, {}
+        return None, None
     src = min(holders, key=load.__getitem__)          # the least loaded of the deepest holders
     have = np.zeros(len(cost))
     for i, c in cached.items():
         have[i] = c
     np.minimum(have, deepest, out=have)
-    recompute = (deepest - have) * f.per_token
-    lacking = deepest // block - have // block
-    # Both sides take fetches, in one layout and dtype (another would fail the fetch), and one lacks blocks.
-    ok = (lacking > 0) & (f.fetch_block_s < INF) & (f.block_bytes == f.block_bytes[src])
-    fetch = np.full(len(cost), INF)
-    fetch[ok] = lacking[ok] * f.fetch_block_s[ok] + f.fetch_call_s[ok]
+    recompute = deepest - have
+    recompute *= f.per_token
+    # Blocks lacking at the worker's seconds a block, plus its seconds a call (infinite where it takes
+    # no fetches; the holders lack none and computing nothing is cheaper anyway).
+    fetch = (deepest // block - have // block) * f.fetch_block_s
+    fetch += f.fetch_call_s
+    fetch[f.block_bytes != f.block_bytes[src]] = INF   # another layout or dtype: the fetch would fail
     price = np.minimum(recompute, fetch)
-    cost -= recompute - price
-    fetches = {i: Fetch(f.workers[src], deepest // block, int(have[i]))
-               for i in np.flatnonzero(fetch < recompute).tolist()}
-    return price, fetches
+    cost -= recompute
+    cost += price
+    return price, FetchPlan(f.workers[src], deepest // block, fetch < recompute, have)
 
 
 def add_lora_load(cost: np.ndarray, workers: list[WorkerState], adapter: str) -> None:
@@ -494,9 +506,9 @@ def add_lora_load(cost: np.ndarray, workers: list[WorkerState], adapter: str) ->
 
 
 def cheapest(workers: list[WorkerState], cost: np.ndarray, cached: dict[int, int], prefix: bytes | None,
-             limit: int | None, rng: random.Random, fetches: dict[int, Fetch] | None = None) -> list[Choice]:
-    """The `limit` cheapest workers (all, when None) best first; ties break at random. `fetches`:
-    row -> the fetch hint it is sent with (its predicted hit: the fetched prefix)."""
+             limit: int | None, rng: random.Random, plan: FetchPlan | None = None) -> list[Choice]:
+    """The `limit` cheapest workers (all, when None) best first; ties break at random. `plan`: the
+    workers sent with a fetch hint (their predicted hit: the fetched prefix)."""
     n = len(workers)
     k = n if limit is None else min(limit, n)
     rand = rng.random
@@ -508,8 +520,8 @@ def cheapest(workers: list[WorkerState], cost: np.ndarray, cached: dict[int, int
         kth = np.partition(cost, k - 1)[k - 1]
         pick = np.flatnonzero(cost <= kth)
         tied = [(c, rand(), i) for c, i in zip(cost[pick].tolist(), pick.tolist())]
-    if fetches:
-        return [Choice(workers[i], c, cached.get(i, 0), prefix) if (x := fetches.get(i)) is None else
+    if plan is not None:
+        return [Choice(workers[i], c, cached.get(i, 0), prefix) if (x := plan.fetch(i)) is None else
                 Choice(workers[i], c, max(x.num_blocks * workers[i].lease.block_size, x.own_tokens), prefix, x)
                 for c, _, i in sorted(tied)[:k]]
     return [Choice(workers[i], c, cached.get(i, 0), prefix) for c, _, i in sorted(tied)[:k]]

@@ -37,7 +37,7 @@ class PrefixAware:
         cached = device_hits(f, q.overlap, block, q.cap)
         for i, c in cached.items():         # the overlap C saves prefill(C)
             cost[i] -= c * f.per_token[i]
-        device = dict(cached) if cached else cached     # host_hits extends `cached` in place
+        device = dict(cached) if q.tiered else cached    # host_hits extends `cached` in place
         if q.adapter:
             add_lora_load(cost, workers, q.adapter)
         if q.tiered:
@@ -45,12 +45,12 @@ class PrefixAware:
                 per_token = f.per_token[i]
                 copy = min(1.0 / (f.workers[i].lease.kv_copy_tps or DEFAULT_KV_COPY_TPS), per_token)
                 cost[i] -= extra * (per_token - copy)
-        lacking, fetches = None, None
+        lacking, plan = None, None
         if self.fetch and device and len(workers) > 1:
-            lacking, fetches = price_fetch(f, cost, device, cached, load, block)
+            lacking, plan = price_fetch(f, cost, device, cached, load, block)
         if self.spread and q.prefix is not None and device:
             price_copy(f, cost, device, q.prefix, load, bound, lacking)
-        return cheapest(workers, cost, cached, q.prefix, limit, self.rng, fetches)
+        return cheapest(workers, cost, cached, q.prefix, limit, self.rng, plan)
 
 
 def price_copy(f: Figures, cost: np.ndarray, cached: dict[int, int], prefix: bytes, load: np.ndarray,
