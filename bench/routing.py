@@ -45,17 +45,19 @@ from pagoda.clients.up import find_redis_server, free_port, redis_command, wait_
 from pagoda.protos.block_hash import namespace_root  # noqa: E402
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "oracle")
-# Not run by default: v1's cost (before issue 16), and prefix_aware without SPREAD (before issue 25),
-# for comparing them on today's simulator.
-EXTRA_POLICIES = ("v1_tokens", "no_spread")
+# Not run by default: v1's cost (before issue 16), prefix_aware without SPREAD (before issue 25), and
+# without fetch hints (before issue 36, --kv-fetch-hints off), for comparing them on today's simulator.
+EXTRA_POLICIES = ("v1_tokens", "no_spread", "no_fetch")
 # What each policy minimises (router/scoring.py spells out load, excess and prefill()).
 FORMULAS = {
     "round_robin": "next worker in turn",
     "least_loaded": "load + excess + prefill(P), from leases, load events and in-flight credits",
-    "prefix_aware": "load + excess + prefill(P - C), C = cached prefix in the router's index",
+    "prefix_aware": "load + excess + prefill(P - C), C = cached prefix in the router's index; a prefix a peer "
+                    "holds deeper costs the cheaper of its prefill and its fetch (fetch hints)",
     "oracle": "prefix_aware's cost on every worker's exact cache, load, speed and time to drain its queued "
               "prefill (the step under way included), undelayed",
     "no_spread": "prefix_aware's cost without SPREAD (a hot prefix's copy charged its whole prefill)",
+    "no_fetch": "prefix_aware's cost without fetch hints (a worker computes every block it lacks)",
     "v1_tokens": "v1 (token units): P - C + queued prefill + 4 * (running + waiting + in flight) + kv_penalty",
 }
 
@@ -134,6 +136,7 @@ def run_one(a, redis_url: str, loop, workload: str, num_workers: int, policy: st
     pol = (OraclePolicy(workers, a.seed, cfg.block_size) if policy == "oracle"
            else TokenCostPolicy(redis_url, loop, a.seed) if policy == "v1_tokens"
            else RouterPolicy("prefix_aware", redis_url, loop, a.seed, spread=False) if policy == "no_spread"
+           else RouterPolicy("prefix_aware", redis_url, loop, a.seed, fetch=False) if policy == "no_fetch"
            else RouterPolicy(policy, redis_url, loop, a.seed))
     try:
         sim = Simulation(firsts, workers, pol, bus, cfg, root)

@@ -35,7 +35,8 @@ class RedisBus:
         self.client = aioredis.from_url(redis_url, max_connections=64)
         # Leases outlive any simulated run: simulated time may run slower than the TTL.
         self.pubs = [SimPublisher(redis_url, f"sim-{i}", model, f"10.0.0.{i}:50051", engines[i],
-                               heartbeat_s=heartbeat_s, snapshot_s=snapshot_s, lease_ttl_s=3600.0)
+                               heartbeat_s=heartbeat_s, snapshot_s=snapshot_s, lease_ttl_s=3600.0,
+                               kv_transfer=getattr(engines[i], "kv_transfer", None))
                      for i in range(num_workers)]
         for p in self.pubs:
             p._redis = self.client

@@ -37,13 +37,13 @@ from .bus import MODEL
 class RouterPolicy:
     def __init__(self, policy: str, redis_url: str, loop: asyncio.AbstractEventLoop, seed: int,
                  lease_poll_s: float = 0.25, index_max_blocks: int = 1_000_000,
-                 speculative_ttl_s: float = 10.0, spread: bool = True):
+                 speculative_ttl_s: float = 10.0, spread: bool = True, fetch: bool = True):
         self.name, self.loop, self.lease_poll_s = policy, loop, lease_poll_s
         self.index = BlockIndex(index_max_blocks, speculative_ttl_s)
         self.cluster = Cluster(redis_url, self.index, lease_poll_s=lease_poll_s)
         self.cluster._redis = aioredis.from_url(redis_url)
         self.cluster.connected = True
-        self.scorer = Scorer(policy, self.index, random.Random(seed), spread=spread)
+        self.scorer = Scorer(policy, self.index, random.Random(seed), spread=spread, fetch=fetch)
         breaker = CircuitBreaker()
         self.prepare = Preparer(self.cluster, WorkerChannels(), breaker)
         self.select = Selector(self.scorer, breaker)
@@ -66,6 +66,8 @@ class RouterPolicy:
         hashes = self.prepare.hashes(model, "", "", req.prompt, workers[0].lease.block_size)
         best = self.select.rank(model, workers, len(req.prompt), hashes, None, now)[0]
         self.select.claim(best, req.rid, len(req.prompt), hashes, now, now)
+        if best.fetch is not None:
+            req.fetch = (int(best.fetch.source.id.rsplit("-", 1)[1]), best.fetch.num_blocks)
         wall, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
         return int(best.worker.id.rsplit("-", 1)[1]), wall, cpu
 

@@ -91,6 +91,8 @@ class Simulation:
                 self._arrive(obj, now)
             elif kind == "step":
                 self._step(obj, now)
+            elif kind == "fetched":
+                self._fetched(*obj, now)
             else:
                 self.bus.publish(self.workers, now)
                 self.policy.sync(now)
@@ -104,7 +106,20 @@ class Simulation:
         w, wall_ns, cpu_ns = self.policy.choose(r, now)
         self.decision_ns.append((wall_ns, cpu_ns))
         r.worker = w
+        if r.fetch is not None:         # the hint: pull what the source holds of the prefix first
+            src, blocks = r.fetch
+            worker, source = self.workers[w], self.workers[src]
+            have = source.holds(r.hashes[:blocks])
+            lacking = have - worker.holds(r.hashes[:have])
+            if lacking > 0:
+                dt = worker.cost.fetch_time(lacking, self.cfg.block_size)
+                self._push(now + dt, "fetched", (w, r, r.hashes[:have]))
+                return
+        self._fetched(w, r, [], now)
+
+    def _fetched(self, w: int, r: SimRequest, hashes: list[bytes], now: float) -> None:
         worker = self.workers[w]
+        worker.import_blocks(hashes)
         worker.add(r)
         if not worker.busy:
             self._start(w, now)

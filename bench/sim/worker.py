@@ -10,12 +10,18 @@ publisher's own code can publish for it.
 
 Simplification: a request reserves blocks for its whole prompt and output on admission,
 so there is no preemption; admission waits instead.
+
+KV fetch (a router's fetch hint, issue 36): the worker advertises its block bytes and a fetch
+rate from `CostModel` in its lease; the simulation holds a hinted request back for the fetch's
+time (off the GPU: the worker's steps go on meanwhile), then `import_blocks` names the fetched
+blocks in its prefix cache, where admission finds them as hits.
 """
 from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from pagoda.protos.block_hash import block_hashes
 
@@ -28,6 +34,14 @@ class CostModel:
     base_s: float = 0.006             # fixed cost per step (weights read, launch)
     prefill_token_s: float = 60e-6    # per prompt token computed (about 16k tokens/s)
     decode_seq_s: float = 0.25e-3     # per running sequence decoding one token
+    # KV fetch from a peer: an 8B Llama's KV in bf16 is 128 KiB a token (a 2 MiB block of 16); over
+    # a 100 Gb/s link ~10 GB/s, and 5 ms a call (setup, the engine's commands before and after).
+    kv_bytes_per_token: float = 128 * 1024
+    fetch_bps: float = 10e9
+    fetch_call_s: float = 0.005
+
+    def fetch_time(self, blocks: int, block_size: int) -> float:
+        return self.fetch_call_s + blocks * block_size * self.kv_bytes_per_token / self.fetch_bps
 
     def step_time(self, prefill_tokens: int, decode_seqs: int) -> float:
         return self.base_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
@@ -75,6 +89,9 @@ class SimWorker:
         self._events: list[tuple[str, bytes]] = []
         self.queries = self.hits = self.prompt_tokens = self.generation_tokens = self.evictions = 0
         self.num_steps, self.step_seconds = 0, 0.0
+        # What the publisher reads of a real worker's KVFetcher: block bytes and the fetch rate.
+        self.kv_transfer = SimpleNamespace(block_bytes=int(block_size * cost.kv_bytes_per_token),
+                                           rate=SimpleNamespace(bps=cost.fetch_bps, overhead_s=cost.fetch_call_s))
 
     # ---- what routers may know -------------------------------------------------------
     def cached_prefix_tokens(self, req: SimRequest) -> int:
@@ -188,6 +205,35 @@ class SimWorker:
             self._finish(r)
         self.plan = []
         return first, done
+
+    def holds(self, hashes: list[bytes]) -> int:
+        """Leading blocks of `hashes` cached here (in use or not)."""
+        k = 0
+        for h in hashes:
+            if h not in self.ref and h not in self.lru:
+                break
+            k += 1
+        return k
+
+    def import_blocks(self, hashes: list[bytes]) -> int:
+        """Fetched blocks, in chain order, named in the prefix cache (most recently used); a free
+        block each, or the least recently used cached one. -> blocks imported."""
+        n = 0
+        for h in hashes:
+            if h in self.ref or h in self.lru:
+                continue
+            if self.free:
+                self.free -= 1
+            elif self.lru:
+                old, _ = self.lru.popitem(last=False)
+                self._events.append(("removed", old))
+                self.evictions += 1
+            else:
+                break
+            self.lru[h] = None
+            self._events.append(("stored", h))
+            n += 1
+        return n
 
     # ---- block accounting -------------------------------------------------------------
     def _hit_blocks(self, req: SimRequest) -> int:

@@ -46,6 +46,7 @@ class SimRequest:
     anon: int = 0                           # blocks held that carry no hash (yet)
     t_first: float = -1.0
     t_finish: float = -1.0
+    fetch: Optional[tuple[int, int]] = None   # the router's fetch hint: (source worker, leading blocks)
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
