@@ -82,8 +82,9 @@ the blocks it lacks the cheaper of
     recompute  = (C_max - C') * per_token
     fetch      = blocks lacking * kv_block_bytes / kv_fetch_bps + kv_fetch_overhead_s
 
-at its own figures: it fetches, and reports and the worker count the fetched tokens as cached,
-when the fetch is cheaper, so its cost falls by recompute - fetch. Only where both sides take
+at its own figures. Where the fetch is cheaper the worker is sent a hint to fetch (the router
+predicts, and the worker reports, the fetched tokens as cached) and its cost falls by recompute -
+fetch; the fetch does not take the worker's compute from others. Only where both sides take
 fetches (kv_block_bytes > 0 in their leases, and equal: one layout and dtype) and the source is
 one of the ranked workers (live, not in a breaker's cooldown, of the request's model, serving its
 adapter); the namespace needs no check, since the chain's hashes fold it in. Under SPREAD the copy

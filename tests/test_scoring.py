@@ -421,3 +421,17 @@ def test_spread_prices_a_hot_prefixs_copy_at_its_fetch_where_that_is_cheaper():
     load_b = 0.0
     assert key == h[-1] and by_id["b"].fetch is not None
     assert by_id["b"].cost == pytest.approx(load_b + 100 * per_token() + fetch_s - 0.5 * fetch_s)
+
+
+def test_a_lora_request_goes_to_the_idle_worker_with_its_adapter_and_fetches_the_prefix_there():
+    """Adapter affinity: the holder of the adapter's prefix is busy; another worker with the adapter
+    in a slot takes the request and fetches the prefix (hashed in the adapter's namespace) from it."""
+    h = block_hashes(list(range(100 * 16)), 16, namespace_root("m", "x"))
+    idx = BlockIndex()
+    idx.add("a", h)
+    lora = dict(lora_adapters=["x"], lora_resident=["x"], max_loras=1)
+    a = fetcher("a", queued_prefill_tokens=1000, **lora)
+    b, c = fetcher("b", **lora), fetcher("c", lora_adapters=["x"], max_loras=1)    # c: x not in a slot
+    ranked = scorer(idx=idx).rank("m", [a, b, c], 1700, h, now=0.0, adapter="x")
+    assert [r.worker.id for r in ranked] == ["b", "c", "a"]
+    assert ranked[0].fetch is not None and ranked[0].fetch.source is a
