@@ -25,8 +25,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 BLOCK, PREFIX_BLOCKS = 16, 60
 # Two sequences at a time, so that A's busy requests queue: their prompts are prefill A has yet to do.
 FLAGS = dict(num_kv_blocks=512, block_size=BLOCK, max_model_len=1024, max_num_seqs=2, snapshot_interval=1.0,
-             metrics=True)
-BUSY = 8            # long requests that keep A loaded while the request is routed: 2 run, 6 wait
+             heartbeat_interval=0.25, metrics=True)
+# What keeps A loaded while the request is routed: 2 long decodes run, 20 long prompts wait behind them.
+# The router drains a reported queue at the prefill rate until the next report (a heartbeat): 20k
+# tokens stay queued in its view for longer than that.
+RUN, WAIT = 2, 20
 
 
 def prompt(seed: int) -> list[int]:
@@ -59,13 +62,20 @@ class Busy:
     def __init__(self, address: str):
         self.channel = grpc.insecure_channel(address)
         stub = pb_grpc.GenerationStub(self.channel)
-        self.calls = [stub.Generate(pb.GenerateRequest(
-            token_ids=prompt(100 + i)[:400], sampling=pb.SamplingParams(max_tokens=600, ignore_eos=True,
-                                                                        temperature=0.0)),
-            timeout=300) for i in range(BUSY)]
-        self.threads = [threading.Thread(target=self._drain, args=(c,), daemon=True) for c in self.calls]
-        for t in self.threads:
-            t.start()
+        self.calls, self.threads = [], []
+
+        def send(ids: list[int], max_tokens: int) -> None:
+            call = stub.Generate(pb.GenerateRequest(token_ids=ids, sampling=pb.SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, temperature=0.0)), timeout=300)
+            self.calls.append(call)
+            self.threads.append(threading.Thread(target=self._drain, args=(call,), daemon=True))
+            self.threads[-1].start()
+
+        for i in range(RUN):
+            send([7 + i] * 16, 900)
+        wait_for(lambda: load(address).running == RUN, 30, "A to run its long decodes")
+        for i in range(WAIT):
+            send(prompt(100 + i)[:1000], 8)
 
     @staticmethod
     def _drain(call) -> None:
@@ -88,9 +98,9 @@ def labelled(proc, name: str) -> float:
     return sum(v for k, v in proc.metrics().items() if k.startswith(name + "{"))
 
 
-def queued(address: str) -> int:
+def load(address: str) -> pb.LoadReport:
     with grpc.insecure_channel(address) as ch:
-        return pb_grpc.AdminStub(ch).GetLoad(pb.LoadRequest(), timeout=10).waiting
+        return pb_grpc.AdminStub(ch).GetLoad(pb.LoadRequest(), timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +122,8 @@ def route_while_a_is_busy(cluster, start_router, ids: list[int], **flags):
     time.sleep(1.5)                         # a snapshot period: the router holds A's blocks of `ids`
     busy = Busy(a.address)
     try:
-        wait_for(lambda: queued(a.address) == BUSY - 2, 30, "A's busy requests to queue")
-        time.sleep(0.6)                     # a heartbeat: the router has A's load
+        wait_for(lambda: load(a.address).waiting == WAIT, 30, "A's busy requests to queue")
+        time.sleep(0.3)                     # a heartbeat: the router has A's load
         routed = generate(router.address, ids)
     finally:
         busy.stop()
