@@ -87,7 +87,8 @@ class Disaggregation:
                       timeout: float | None) -> tuple[Prepared, list[Choice]]:
         """Run the prefill leg; -> the decode leg's request (with its fetch hint when a prefill
         worker holds the prompt now) and its ranked decode workers (each predicted to hold the
-        fetched blocks, so it is credited with only the rest of the prefill)."""
+        fetched blocks, so it is credited with only the rest of the prefill; this hint replaces any
+        fetch the policy priced for it)."""
         blocks = fetchable_blocks(p)
         source = await self._prefill_leg(p, prefill, min(self.timeout, timeout or self.timeout))
         if source is None:
@@ -99,7 +100,7 @@ class Disaggregation:
         upstream.kv_fetch.CopyFrom(pb.KVFetchHint(source_address=source.lease.address, num_blocks=blocks))
         tokens = blocks * source.lease.block_size
         return (dataclasses.replace(p, upstream=upstream),
-                [dataclasses.replace(c, cached_tokens=max(c.cached_tokens, tokens)) for c in decode])
+                [dataclasses.replace(c, cached_tokens=max(c.cached_tokens, tokens), fetch=None) for c in decode])
 
     def observe_decode(self, p: Prepared, usage: pb.Usage) -> None:
         """The decode leg's usage: fewer cached prompt tokens than the hint promised means the

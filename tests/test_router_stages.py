@@ -25,6 +25,7 @@ from pagoda.router.errors import RouterError
 from pagoda.router.index import BlockIndex
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.pipeline import Pipeline
+from pagoda.router.scoring import Choice, Fetch
 from pagoda.router.selection import Scorer
 from pagoda.runtime.security import TENANT_HEADER, Identity
 from pagoda.runtime.tokenization import PromptTokenizer, tokenizer_digest
@@ -227,6 +228,13 @@ def test_disaggregation_sends_the_prompt_to_a_prefill_worker_then_the_request_to
                 out = await collect(pipeline, short)
                 assert out[-1].worker_id in ("w1", "w2") and len(seen["w0"].requests) == 1
                 assert not seen[out[-1].worker_id].requests[-1].HasField("kv_fetch")
+            # A fetch the policy priced for a decode worker (from another peer) gives way to the
+            # P/D hint: the prompt is on the prefill worker now.
+            prepared, _, _ = await pipeline._decide(pb.GenerateRequest(token_ids=list(range(1, 33))), None)
+            priced = Choice(pipeline.cluster.workers["w1"], 0.0, 0, fetch=Fetch(pipeline.cluster.workers["w2"], 1, 0))
+            p2, (c2,) = await pipeline.disagg.prefill(prepared, [pre], [priced], None)
+            assert c2.fetch is None and c2.cached_tokens == 16
+            assert pipeline.select.upstream(c2, p2.upstream).kv_fetch.source_address == pre.lease.address
         async with stand_ins({"kv_role": "prefill", "fail_first": 1}, {"kv_role": "decode"}) as pipeline:
             out = await collect(pipeline, pb.GenerateRequest(token_ids=list(range(1, 40))))
             assert out[-1].worker_id == "w1" and not pipeline.stand_ins["w1"].requests[0].HasField("kv_fetch")
