@@ -108,6 +108,7 @@ def test_values_map_one_to_one_onto_flags():
                    "max_num_batched_tokens": w["maxNumBatchedTokens"], "max_model_len": w["maxModelLen"],
                    "max_waiting": w["maxWaiting"], "heartbeat_interval": w["heartbeatInterval"],
                    "snapshot_interval": w["snapshotInterval"], "scheduling_policy": "priority", "async_scheduling": "off",
+                   "scheduling_fairness": "fifo",
                    "quantization": "fp8",
                    "kv_offloading_size": 4.5, "preemption_mode": "swap",
                    "stream_interval": 4,

@@ -91,6 +91,9 @@ class EngineConfig:
     max_model_len: Optional[int] = None         # default: the checkpoint's
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"             # fcfs | priority
+    # tenant: within a priority, the tenant running the fewest sequences is admitted next (one
+    # tenant's burst cannot starve another's request); fifo: arrival order across tenants.
+    scheduling_fairness: str = "tenant"         # tenant | fifo
     # auto: Triton kernels on CUDA, the in-place C kernel on CPU (kernels/cpu_attention.py).
     # PAGODA_ATTENTION=torch forces the reference everywhere, for debugging.
     attention_backend: str = "auto"             # auto | cpu | torch | triton
@@ -135,6 +138,8 @@ class EngineConfig:
             raise ValueError(f"block_size: must be one of 8, 16, 32, 64, 128 (got {self.block_size})")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: must be fcfs or priority (got {self.scheduling_policy!r})")
+        if self.scheduling_fairness not in ("tenant", "fifo"):
+            raise ValueError(f"scheduling_fairness: must be tenant or fifo (got {self.scheduling_fairness!r})")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: must be cpu, cuda or auto (got {self.device!r})")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):

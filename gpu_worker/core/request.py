@@ -32,7 +32,7 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  block_size: int, hash_root: bytes, priority: int = 0,
-                 parent_id: Optional[str] = None, index: int = 0):
+                 parent_id: Optional[str] = None, index: int = 0, tenant: str = ""):
         self.req_id = req_id                    # unique inside the engine
         self.parent_id = parent_id if parent_id is not None else req_id   # the caller's id
         self.index = index
@@ -41,6 +41,9 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.params = params
         self.priority = priority
+        # Who it is served for: admission is fair between tenants (scheduler.py). "" for callers
+        # without keys and for the offline LLM API.
+        self.tenant = tenant
         # A global counter rather than a clock: ties between requests added in one tick
         # must still order by arrival.
         self.arrival = next(_arrivals)

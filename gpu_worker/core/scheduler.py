@@ -9,6 +9,14 @@ recompute as the fallback when the host tier cannot take them. Under
 the priority policy a waiting request that finds no blocks or sequence slot preempts running
 requests of lower priority, lowest first.
 
+Tenant fairness (the default; `fairness="fifo"` turns it off): each tenant waits in its own
+queue, and among requests of the same priority the next one admitted is the head of the tenant
+that runs the fewest sequences (those admitted earlier in the same step included), FIFO within a
+tenant. A tenant's burst of a thousand requests therefore holds up another tenant's single
+request by at most one step's admission, and two busy tenants converge on equal shares of the
+sequence slots. A preemption victim likewise comes from the tenant running the most sequences.
+Priority still comes first in both.
+
 A step may be scheduled while the previous one is still running (async scheduling): a request
 whose token is in flight counts it as a placeholder (the runner feeds the sampled token in on
 the device), is not scheduled again if that token must end it by length (nor, with a grammar,
@@ -24,8 +32,8 @@ waiting siblings get in.
 from __future__ import annotations
 
 import heapq
-from collections import deque
-from typing import Iterable
+from collections import Counter, deque
+from typing import Iterable, Mapping
 
 from pagoda.gpu_worker.core.drafter import Drafter, SpecStats
 from pagoda.gpu_worker.core.kv_cache_manager import CachedBlock, KVCacheManager
@@ -35,46 +43,103 @@ from pagoda.gpu_worker.core.stop import reaches_length
 
 
 class WaitingQueue:
-    """FCFS: a deque, preempted requests back at the front. Priority: a heap on
-    (priority, arrival), so a preempted request regains its old place by itself."""
+    """Requests waiting for admission: one queue per tenant with tenant fairness, one for all
+    without. FCFS: a deque per queue, preempted requests back at its front. Priority: a heap per
+    queue on (priority, arrival), so a preempted request regains its old place by itself.
 
-    def __init__(self, policy: str):
+    The next request is the head of one queue: the one whose head has the best priority (priority
+    policy), then whose tenant runs the fewest sequences (`load`, from the scheduler), then whose
+    head arrived first. Picking costs O(tenants waiting), whatever the number of requests."""
+
+    def __init__(self, policy: str, fair: bool = True):
         self.policy = policy
-        self._fcfs: deque[Request] = deque()
-        self._heap: list[tuple[int, int, Request]] = []
+        self.fair = fair
+        self._fcfs: dict[str, deque[Request]] = {}
+        self._heaps: dict[str, list[tuple[int, int, Request]]] = {}
+        self._len = 0
 
     def __len__(self) -> int:
-        return len(self._fcfs) if self.policy == "fcfs" else len(self._heap)
+        return self._len
 
     def __iter__(self):
+        """Every waiting request, tenant by tenant (each tenant's in its own order)."""
         if self.policy == "fcfs":
-            return iter(list(self._fcfs))
-        return iter([r for _, _, r in sorted(self._heap, key=lambda e: e[:2])])
+            return iter([r for q in self._fcfs.values() for r in q])
+        return iter([r for h in self._heaps.values() for _, _, r in sorted(h, key=lambda e: e[:2])])
+
+    def num_tenants(self) -> int:
+        return len(self._fcfs) if self.policy == "fcfs" else len(self._heaps)
+
+    def _key(self, req: Request) -> str:
+        return req.tenant if self.fair else ""
 
     def add(self, req: Request, front: bool = False) -> None:
+        key = self._key(req)
         if self.policy == "fcfs":
-            self._fcfs.appendleft(req) if front else self._fcfs.append(req)
+            q = self._fcfs.setdefault(key, deque())
+            q.appendleft(req) if front else q.append(req)
         else:
-            heapq.heappush(self._heap, (req.priority, req.arrival, req))
+            heapq.heappush(self._heaps.setdefault(key, []), (req.priority, req.arrival, req))
+        self._len += 1
 
-    def peek(self) -> Request:
-        return self._fcfs[0] if self.policy == "fcfs" else self._heap[0][2]
+    def _head(self, key: str) -> Request:
+        return self._fcfs[key][0] if self.policy == "fcfs" else self._heaps[key][0][2]
 
-    def pop(self) -> Request:
-        return self._fcfs.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[2]
+    def _pick(self, load: Mapping[str, int]) -> str:
+        queues = self._fcfs if self.policy == "fcfs" else self._heaps
+        if len(queues) == 1:
+            return next(iter(queues))
+        by_priority = self.policy == "priority"
+        best, best_rank = "", None
+        for key in queues:
+            head = self._head(key)
+            rank = (head.priority if by_priority else 0, load.get(key, 0), head.arrival)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = key, rank
+        return best
+
+    def peek(self, load: Mapping[str, int] = {}) -> Request:
+        return self._head(self._pick(load))
+
+    def pop(self, load: Mapping[str, int] = {}) -> Request:
+        """The request peek(load) returns, taken out."""
+        key = self._pick(load)
+        if self.policy == "fcfs":
+            q = self._fcfs[key]
+            req = q.popleft()
+            if not q:
+                del self._fcfs[key]
+        else:
+            h = self._heaps[key]
+            req = heapq.heappop(h)[2]
+            if not h:
+                del self._heaps[key]
+        self._len -= 1
+        return req
 
     def remove(self, req: Request) -> None:
+        key = self._key(req)
         if self.policy == "fcfs":
-            self._fcfs.remove(req)
+            q = self._fcfs[key]
+            q.remove(req)
+            if not q:
+                del self._fcfs[key]
         else:
-            self._heap = [e for e in self._heap if e[2] is not req]
-            heapq.heapify(self._heap)
+            h = [e for e in self._heaps[key] if e[2] is not req]
+            if len(h) == len(self._heaps[key]):
+                raise ValueError(f"{req.req_id} is not waiting")
+            if h:
+                heapq.heapify(h)
+                self._heaps[key] = h
+            else:
+                del self._heaps[key]
+        self._len -= 1
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", max_model_len: int | None = None, drafter: Drafter | None = None,
-                 max_loras: int = 0, preemption_mode: str = "recompute"):
+                 max_loras: int = 0, preemption_mode: str = "recompute", fairness: str = "tenant"):
         self.kv = kv
         # Multi-LoRA: at most this many distinct adapters hold runner rows at once (the device
         # has that many slots); 0: no adapters.
@@ -89,8 +154,12 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
-        self.waiting = WaitingQueue(policy)
+        # tenant: admission and preemption even out the sequences each tenant runs (WaitingQueue);
+        # fifo: one queue for all, in arrival (or priority) order.
+        self.fair = fairness == "tenant"
+        self.waiting = WaitingQueue(policy, self.fair)
         self.running: list[Request] = []
+        self.running_per_tenant: Counter[str] = Counter()     # tenant -> its sequences in `running`
         self.requests: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
         # Blocks of each running request that the runner has been told about: a step sends
@@ -158,13 +227,13 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_computed
         self.requests[req.req_id] = req
-        self.running.append(req)
+        self._run(req)
 
     def _release(self, req: Request) -> None:
         """A ready beam leaves the scheduler: its blocks and runner row go, its candidates stay
         with its group (which will continue it, or not, by recompute)."""
         if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
+            self._unrun(req)
         else:
             self.waiting.remove(req)
         self.requests.pop(req.req_id, None)
@@ -186,8 +255,9 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, chunks: dict[str, int], skipped: list[Request]) -> int:
         adapters: set | None = None
+        load = self.running_per_tenant      # with tenant fairness, the least loaded tenant goes next
         while len(self.waiting) and budget > 0:
-            req = self.waiting.peek()
+            req = self.waiting.peek(load)
             if req.num_output_placeholders:
                 break   # preempted with its token still in flight: back once it has landed
             if req.beam_width and len(self.running) + req.beam_width > self.max_num_seqs:
@@ -198,7 +268,7 @@ class Scheduler:
                 if req.lora not in adapters and len(adapters) >= self.max_loras:
                     # Every adapter slot is taken by running requests: this one waits for a slot
                     # to free, the requests behind it go on (as vLLM's scheduler does).
-                    skipped.append(self.waiting.pop())
+                    skipped.append(self.waiting.pop(load))
                     continue
             swapped = self.kv.is_swapped(req)
             hits: list[CachedBlock] = []
@@ -217,7 +287,7 @@ class Scheduler:
                 self.drafts.pop(victim.req_id, None)
                 self._preempt(victim)
                 continue
-            self.waiting.pop()
+            self.waiting.pop(load)
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
@@ -225,7 +295,7 @@ class Scheduler:
             if not swapped:
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += num_hit
-            self.running.append(req)
+            self._run(req)
             chunks[req.req_id] = n
             budget -= n
             if adapters is not None and req.lora is not None:
@@ -256,14 +326,32 @@ class Scheduler:
         return victim if victim.priority > req.priority else None
 
     def _pick_victim(self) -> Request:
+        """Lowest priority first (priority policy); among equals, with tenant fairness, a sequence
+        of the tenant running the most; then the latest arrival (priority) or the last admitted."""
+        running, load = self.running, self.running_per_tenant
+        fair = self.fair and len(load) > 1
         if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival))
-        return self.running[-1]
+            return max(running, key=lambda r: (r.priority, load[r.tenant] if fair else 0, r.arrival))
+        if not fair:
+            return running[-1]
+        most = max(load.values())
+        return next(r for r in reversed(running) if load[r.tenant] == most)
+
+    def _run(self, req: Request) -> None:
+        self.running.append(req)
+        self.running_per_tenant[req.tenant] += 1
+
+    def _unrun(self, req: Request) -> None:
+        self.running.remove(req)
+        load = self.running_per_tenant
+        load[req.tenant] -= 1
+        if not load[req.tenant]:
+            del load[req.tenant]
 
     def _preempt(self, req: Request) -> None:
         if req.beam_ready is not None:
             return self._release(req)
-        self.running.remove(req)
+        self._unrun(req)
         if self.preemption_mode == "swap" and self.kv.swap_out(req):
             self.num_swaps += 1     # its KV comes back from the host: num_computed_tokens stands
         else:
@@ -382,7 +470,7 @@ class Scheduler:
             if req is None:
                 continue
             if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
+                self._unrun(req)
             else:
                 self.waiting.remove(req)
             req.status = status

@@ -65,7 +65,8 @@ class LLMEngine:
         drafter = Drafter(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.scheduling_policy, self.max_model_len, drafter,
-                                   config.max_loras if config.enable_lora else 0, config.preemption_mode)
+                                   config.max_loras if config.enable_lora else 0, config.preemption_mode,
+                                   config.scheduling_fairness)
         self.detokenizers: dict[str, Detokenizer] = {}
         self.children: dict[str, list[Request]] = {}    # caller id -> its live sequences
         self.beam_groups: dict[str, BeamGroup] = {}     # caller id -> its beam search
@@ -94,7 +95,7 @@ class LLMEngine:
 
     def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                          priority: int = 0, cache_salt: str = "", adapter: str = "",
-                         check_id: bool = True) -> None:
+                         check_id: bool = True, tenant: str = "") -> None:
         """Raise ValueError naming the bad field; touches no state. Without check_id it reads
         nothing that changes, so AsyncLLM can call it from the event loop's thread."""
         if self.dead is not None:
@@ -120,6 +121,8 @@ class LLMEngine:
             raise ValueError(f"priority: must be an integer (got {priority!r})")
         if not isinstance(cache_salt, str):
             raise ValueError("cache_salt: must be a string")
+        if not isinstance(tenant, str):
+            raise ValueError(f"tenant: must be a string (got {tenant!r})")
         if adapter:
             self._check_adapter(adapter)
         # The last sampled token is never written to the cache, hence the - 1.
@@ -157,19 +160,21 @@ class LLMEngine:
             raise ValueError(f"adapter: unknown LoRA adapter {adapter!r} (loaded: {known})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str = "", adapter: str = "") -> None:
-        self.validate_request(request_id, prompt_token_ids, params, priority, cache_salt, adapter)
+                    priority: int = 0, cache_salt: str = "", adapter: str = "", tenant: str = "") -> None:
+        """tenant: whom it is served for; admission is fair between tenants (core/scheduler.py)."""
+        self.validate_request(request_id, prompt_token_ids, params, priority, cache_salt, adapter, tenant=tenant)
         lora = self.runner.lora.adapters[adapter] if adapter and self.runner.lora is not None else None
         root = namespace_root(self.model_name, lora.cache_key if lora is not None else "", cache_salt)
         serial = next(self._serial)
         if params.use_beam_search:
-            return self._add_beam_search(request_id, prompt_token_ids, params, priority, root, serial, adapter)
+            return self._add_beam_search(request_id, prompt_token_ids, params, priority, root, serial, adapter,
+                                         tenant)
         seqs = []
         for i in range(params.n):
             # A serial in the internal id keeps a reused caller id apart from the runner's
             # state for the previous request of that name.
             req = Request(f"{request_id}#{i}.{serial}", prompt_token_ids, params, self.block_size,
-                          root, priority=priority, parent_id=request_id, index=i)
+                          root, priority=priority, parent_id=request_id, index=i, tenant=tenant)
             req.lora = lora
             if params.seed is not None:
                 req.generator = self._generator(params.seed + i)
@@ -208,14 +213,14 @@ class LLMEngine:
         lora.remove(name)
 
     def _add_beam_search(self, request_id: str, ids: list[int], params: SamplingParams, priority: int,
-                         root: bytes, serial: int, adapter: str = "") -> None:
+                         root: bytes, serial: int, adapter: str = "", tenant: str = "") -> None:
         """One request for the prompt; its step's top 2 * width tokens start the beams (every
-        beam a copy of it: same adapter, priority, cache namespace)."""
+        beam a copy of it: same adapter, priority, tenant, cache namespace)."""
         width = params.beam_width
         inner = SamplingParams(temperature=params.temperature, max_tokens=self.max_model_len,
                                ignore_eos=True, logprobs=2 * width)
         req = Request(f"{request_id}#beam.{serial}.0", ids, inner, self.block_size, root,
-                      priority=priority, parent_id=request_id)
+                      priority=priority, parent_id=request_id, tenant=tenant)
         req.is_beam = req.waits_for_its_token = True
         req.beam_width = width
         req.lora = self.runner.lora.adapters[adapter] if adapter and self.runner.lora is not None else None

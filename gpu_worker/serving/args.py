@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "found from its config.json, and a value given must match it")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=_D["scheduling_policy"],
                    help="priority: requests' priority field orders admission and picks preemption victims")
+    p.add_argument("--scheduling-fairness", choices=["tenant", "fifo"], default=_D["scheduling_fairness"],
+                   help="tenant: within a priority, the tenant running the fewest sequences is admitted next and "
+                        "the one running the most is preempted first, so one tenant's burst cannot starve "
+                        "another's requests; fifo: arrival order across tenants")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default=_D["async_scheduling"],
                    help="schedule and launch the next step before this one's tokens are back, and work "
                         "out its text while the next runs (auto: on with CUDA)")
@@ -187,6 +191,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
+                scheduling_fairness=args.scheduling_fairness,
                 max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
                 tensor_parallel_size=args.tensor_parallel_size, model_impl=args.model_impl,
                 kv_cache_dtype=args.kv_cache_dtype, async_scheduling=args.async_scheduling,

@@ -56,6 +56,7 @@ class AddCommand:
     priority: int
     cache_salt: str
     adapter: str
+    tenant: str
     stream: _Stream
 
 
@@ -123,21 +124,21 @@ class AsyncLLM:
     # ---- caller side (event loop) -------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, cache_salt: str = "", adapter: str = ""
+                       priority: int = 0, cache_salt: str = "", adapter: str = "", tenant: str = ""
                        ) -> AsyncGenerator[StreamDelta, None]:
         if self._closed:
             raise RuntimeError("AsyncLLM is shut down" if self.fatal is None else f"the engine failed: {self.fatal!r}")
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.engine.validate_request(request_id, prompt_token_ids, params, priority, cache_salt,
-                                     adapter, check_id=False)
+                                     adapter, check_id=False, tenant=tenant)
         if self._num_queued() >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         stream = _Stream(asyncio.get_running_loop(), params.n)
         self._streams[request_id] = stream
         self._adds_sent += 1
         self._commands.put(AddCommand(request_id, list(prompt_token_ids), params, priority,
-                                      cache_salt, adapter, stream))
+                                      cache_salt, adapter, tenant, stream))
         done = False
         coalescer = Coalescer(self.config.stream_interval)
         q = stream.queue
@@ -345,7 +346,7 @@ class AsyncLLM:
         if isinstance(cmd, AddCommand):
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                        cmd.priority, cmd.cache_salt, cmd.adapter)
+                                        cmd.priority, cmd.cache_salt, cmd.adapter, cmd.tenant)
                 pending[cmd.request_id] = cmd.stream
             except Exception as e:
                 cmd.stream.put(e)

@@ -61,7 +61,8 @@ class EngineClient(EngineReport, Protocol):
     fatal: Optional[BaseException]          # set when the engine can never step again
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0, cache_salt: str = "", adapter: str = "") -> AsyncGenerator[StreamDelta, None]: ...
+                 priority: int = 0, cache_salt: str = "", adapter: str = "",
+                 tenant: str = "") -> AsyncGenerator[StreamDelta, None]: ...
 
     async def abort(self, request_id: str) -> bool: ...
 

@@ -156,7 +156,8 @@ class WorkerService(pb_grpc.GenerationServicer, pb_grpc.AdminServicer):
         t0 = time.monotonic()
         last: dict[int, float] = {}                # per sequence: when its last token went out
         stream = self.engine.generate(scoped_id(ident, rid), ids, params, priority=request.priority,
-                                      cache_salt=scoped_salt(ident, request.cache_salt), adapter=request.adapter)
+                                      cache_salt=scoped_salt(ident, request.cache_salt), adapter=request.adapter,
+                                      tenant=ident.tenant if ident is not None else "")
         started = False
         try:
             async for delta in stream:
