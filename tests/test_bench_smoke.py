@@ -185,3 +185,17 @@ def test_lora_quick():
     rows = {r["variant"]: r for r in table_rows(out, "variant")}
     assert set(rows) == {"base", "lora, 0 adapters", "lora, 1 adapter", "lora, 4 adapters mixed"}
     assert rows["base"]["x base"] == "1.000" and all(float(r["tok/s (CPU s)"]) > 0 for r in rows.values())
+
+
+@pytest.mark.timeout(240)
+def test_fairness_quick(tmp_path):
+    """bench/fairness.py --quick: real workers, both modes; with tenant fairness B's requests get
+    their first token well before the fifo worker gives B its first one (behind the whole burst)."""
+    out = run_script("fairness.py", "--model-dir", str(tmp_path / "model"), timeout=230)
+    rows = {r["fairness"]: r for r in table_rows(out, "fairness")}
+    assert set(rows) == {"tenant", "fifo", "tenant / fifo"}
+    ms = {m: float(rows[m]["B TTFT p99 (ms)"].replace(",", "")) for m in ("tenant", "fifo")}
+    assert int(rows["tenant"]["B requests"]) > int(rows["fifo"]["B requests"]) >= 1
+    assert ms["tenant"] < ms["fifo"], ms
+    assert all(float(rows[m]["A output tok/s"].replace(",", "")) > 0 for m in ("tenant", "fifo"))
+    assert "lscpu model name" in out and "Load average" in out
