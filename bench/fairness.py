@@ -10,7 +10,8 @@ one request at a time, each when the last one is done, until A's burst has finis
 get the same seeded prompts.
 
 Figures per mode: B's TTFT p50/p99 as B's client sees it (and how many B got in), A's burst wall
-time, output tok/s and TTFT p50; then tenant / fifo as ratios.
+time, output tok/s and TTFT p50, and the worker's CPU seconds over the burst (less at the mercy of
+a loaded machine than wall time); then tenant / fifo as ratios.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import build_model, command_line, lscpu_lines, markdown_table, now  # noqa: E402
+from bench.vs_vllm import tree_cpu_seconds  # noqa: E402
 from pagoda.clients.client import AsyncPagodaClient  # noqa: E402
 from pagoda.clients.up import free_port, wait_serving  # noqa: E402
 
@@ -99,13 +101,14 @@ async def timed(client: AsyncPagodaClient, prompt: list[int], max_tokens: int) -
     return first if first is not None else float("nan"), time.perf_counter() - t0, tokens
 
 
-async def run_mode(address: str, a, prompts_a: list[list[int]], prompts_b: list[list[int]]) -> dict:
+async def run_mode(w: "Worker", a, prompts_a: list[list[int]], prompts_b: list[list[int]]) -> dict:
+    address = w.address
     async with AsyncPagodaClient(address, api_key="a-key", retries=0) as ca, \
             AsyncPagodaClient(address, api_key="b-key", retries=0) as cb, \
             AsyncPagodaClient(address, api_key="ops-key", retries=0) as ops:
         for c in (ca, cb):                       # warm: the first requests of a process pay for imports
             await timed(c, prompts_b[0], 2)
-        t0 = time.perf_counter()
+        cpu0, t0 = tree_cpu_seconds(w.proc.pid), time.perf_counter()
         burst = [asyncio.create_task(timed(ca, p, a.max_tokens)) for p in prompts_a]
         # B starts once the worker holds the burst (or what is left of it).
         while True:
@@ -122,7 +125,8 @@ async def run_mode(address: str, a, prompts_a: list[list[int]], prompts_b: list[
             i += 1
         results = await asyncio.gather(*burst)
         wall = max(end for _, end, _ in results)
-    return dict(b_ttft=b_ttft, a_wall=wall, a_tok_s=sum(n for _, _, n in results) / wall,
+        cpu = tree_cpu_seconds(w.proc.pid) - cpu0
+    return dict(b_ttft=b_ttft, a_wall=wall, a_tok_s=sum(n for _, _, n in results) / wall, cpu=cpu,
                 a_ttft=[f for f, _, _ in results], queued_at=queued_at)
 
 
@@ -131,6 +135,7 @@ def summary(runs: list[dict]) -> dict:
     b = [x for r in runs for x in r["b_ttft"]]
     med = sorted(runs, key=lambda r: r["a_wall"])[len(runs) // 2]
     return dict(b_n=len(b), b_p50=pct(b, 0.5), b_p99=pct(b, 0.99), a_wall=med["a_wall"], a_tok_s=med["a_tok_s"],
+                cpu=sorted(r["cpu"] for r in runs)[len(runs) // 2],
                 a_ttft_p50=pct(med["a_ttft"], 0.5), queued_at=med["queued_at"])
 
 
@@ -161,14 +166,15 @@ def main(argv: list[str] | None = None) -> int:
                 with Worker(model, mode, a, logs) as w:
                     try:
                         wait_serving(w.address, w.proc, f"worker ({mode})", 300)
-                        run = asyncio.run(asyncio.wait_for(run_mode(w.address, a, prompts_a, prompts_b), a.timeout))
+                        run = asyncio.run(asyncio.wait_for(run_mode(w, a, prompts_a, prompts_b), a.timeout))
                     except BaseException:
                         w.log.flush()
                         print(Path(logs, f"worker-{mode}.log").read_text(errors="replace")[-3000:], file=sys.stderr)
                         raise
                 runs[mode].append(run)
                 print(f"round {i + 1} {mode}: B TTFT ms {[round(x * 1e3) for x in run['b_ttft']]}, "
-                      f"A burst {run['a_wall']:.1f} s, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+                      f"A burst {run['a_wall']:.1f} s, worker CPU {run['cpu']:.1f} s, "
+                      f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
     rows = {m: summary(r) for m, r in runs.items()}
     load_after = os.getloadavg()
     print(f"Command: `{command_line()}`  \nDate: {now()}  \n"
@@ -181,14 +187,15 @@ def main(argv: list[str] | None = None) -> int:
           f"(OMP_NUM_THREADS=1), max_num_seqs {a.max_num_seqs}, model {Path(model).name}, greedy, ignore_eos.\n")
     print("\n".join(lscpu_lines()) + "\n")
     table = [[m, r["b_n"], r["b_p50"] * 1e3, r["b_p99"] * 1e3, r["a_wall"], r["a_tok_s"], r["a_ttft_p50"] * 1e3,
-              r["queued_at"]] for m, r in rows.items()]
+              r["cpu"], r["queued_at"]] for m, r in rows.items()]
     if "tenant" in rows and "fifo" in rows:
         t, f = rows["tenant"], rows["fifo"]
         table.append(["tenant / fifo", f"{t['b_n'] / f['b_n']:.2f}", f"{t['b_p50'] / f['b_p50']:.3f}",
                       f"{t['b_p99'] / f['b_p99']:.3f}", f"{t['a_wall'] / f['a_wall']:.3f}",
-                      f"{t['a_tok_s'] / f['a_tok_s']:.3f}", f"{t['a_ttft_p50'] / f['a_ttft_p50']:.3f}", ""])
+                      f"{t['a_tok_s'] / f['a_tok_s']:.3f}", f"{t['a_ttft_p50'] / f['a_ttft_p50']:.3f}",
+                      f"{t['cpu'] / f['cpu']:.3f}", ""])
     print(markdown_table(["fairness", "B requests", "B TTFT p50 (ms)", "B TTFT p99 (ms)", "A burst (s)",
-                          "A output tok/s", "A TTFT p50 (ms)", "A queued after (s)"], table))
+                          "A output tok/s", "A TTFT p50 (ms)", "worker CPU s (median)", "A queued after (s)"], table))
     return 0
 
 
