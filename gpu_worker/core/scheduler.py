@@ -67,9 +67,6 @@ class WaitingQueue:
             return iter([r for q in self._fcfs.values() for r in q])
         return iter([r for h in self._heaps.values() for _, _, r in sorted(h, key=lambda e: e[:2])])
 
-    def num_tenants(self) -> int:
-        return len(self._fcfs) if self.policy == "fcfs" else len(self._heaps)
-
     def _key(self, req: Request) -> str:
         return req.tenant if self.fair else ""
 
@@ -125,9 +122,9 @@ class WaitingQueue:
             if not q:
                 del self._fcfs[key]
         else:
-            h = [e for e in self._heaps[key] if e[2] is not req]
-            if len(h) == len(self._heaps[key]):
-                raise ValueError(f"{req.req_id} is not waiting")
+            h = [e for e in self._heaps.get(key, ()) if e[2] is not req]
+            if len(h) == len(self._heaps.get(key, ())):
+                return      # not waiting (as before: nothing to do)
             if h:
                 heapq.heapify(h)
                 self._heaps[key] = h
