@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import subprocess
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--b-max-tokens", type=int, default=4, help="output tokens of each of B's requests")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the worker's (default 256; 4 with --quick)")
     p.add_argument("--modes", default="tenant,fifo", help="--scheduling-fairness values, in order")
+    p.add_argument("--no-neighbour", action="store_true", help="A's burst alone: what fairness costs one tenant")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds over the modes, every other one in reverse order (default 3; 1 with --quick)")
@@ -119,7 +121,7 @@ async def run_mode(w: "Worker", a, prompts_a: list[list[int]], prompts_b: list[l
         queued_at = time.perf_counter() - t0
         b_ttft = []
         i = 0
-        while not all(t.done() for t in burst):
+        while not a.no_neighbour and not all(t.done() for t in burst):
             first, _, _ = await timed(cb, prompts_b[i % len(prompts_b)], a.b_max_tokens)
             b_ttft.append(first)
             i += 1
@@ -128,6 +130,10 @@ async def run_mode(w: "Worker", a, prompts_a: list[list[int]], prompts_b: list[l
         cpu = tree_cpu_seconds(w.proc.pid) - cpu0
     return dict(b_ttft=b_ttft, a_wall=wall, a_tok_s=sum(n for _, _, n in results) / wall, cpu=cpu,
                 a_ttft=[f for f, _, _ in results], queued_at=queued_at)
+
+
+def ratio(x: float, y: float) -> str:
+    return f"{x / y:.3f}" if y and not math.isnan(x) and not math.isnan(y) else "n/a"
 
 
 def summary(runs: list[dict]) -> dict:
@@ -181,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
           f"Load average (1/5/15 min): before {' '.join(f'{x:.2f}' for x in load_before)}, "
           f"after {' '.join(f'{x:.2f}' for x in load_after)}  \n"
           f"Workload: tenant A sends {a.burst} prompts of {a.prompt_tokens} random tokens at once, "
-          f"{a.max_tokens} output tokens each; tenant B sends {a.prompt_tokens}-token prompts for "
-          f"{a.b_max_tokens} tokens one after another until A's burst is done; {a.rounds} round(s), B's TTFTs "
+          f"{a.max_tokens} output tokens each; "
+          + ("no neighbour (--no-neighbour)" if a.no_neighbour else
+             f"tenant B sends {a.prompt_tokens}-token prompts for {a.b_max_tokens} tokens one after another "
+             "until A's burst is done")
+          + f"; {a.rounds} round(s), B's TTFTs "
           f"pooled over them, A's figures from the median round. One CPU worker "
           f"(OMP_NUM_THREADS=1), max_num_seqs {a.max_num_seqs}, model {Path(model).name}, greedy, ignore_eos.\n")
     print("\n".join(lscpu_lines()) + "\n")
@@ -190,10 +199,8 @@ def main(argv: list[str] | None = None) -> int:
               r["cpu"], r["queued_at"]] for m, r in rows.items()]
     if "tenant" in rows and "fifo" in rows:
         t, f = rows["tenant"], rows["fifo"]
-        table.append(["tenant / fifo", f"{t['b_n'] / f['b_n']:.2f}", f"{t['b_p50'] / f['b_p50']:.3f}",
-                      f"{t['b_p99'] / f['b_p99']:.3f}", f"{t['a_wall'] / f['a_wall']:.3f}",
-                      f"{t['a_tok_s'] / f['a_tok_s']:.3f}", f"{t['a_ttft_p50'] / f['a_ttft_p50']:.3f}",
-                      f"{t['cpu'] / f['cpu']:.3f}", ""])
+        table.append(["tenant / fifo"] + [ratio(t[k], f[k]) for k in ("b_n", "b_p50", "b_p99", "a_wall", "a_tok_s",
+                                                                      "a_ttft_p50", "cpu")] + [""])
     print(markdown_table(["fairness", "B requests", "B TTFT p50 (ms)", "B TTFT p99 (ms)", "A burst (s)",
                           "A output tok/s", "A TTFT p50 (ms)", "worker CPU s (median)", "A queued after (s)"], table))
     return 0
