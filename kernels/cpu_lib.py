@@ -37,7 +37,7 @@ FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
 DEFAULT_SPIN_US = 1000
 # Constants the Python side relies on, checked against the built library's.
 QTILE = 8        # query tokens per attention work item (paged_attention_cpu.c)
-GEMV_MAX_M = 8   # most rows gemv_f32 takes (gemv_cpu.c)
+GEMV_MAX_M = 8   # most rows gemv_cpu takes (gemv_cpu.c)
 GEMM_ATTENTION_ROWS = 48  # most query rows per work item of gemm_attention_cpu.c
 GEMM_ATTENTION_KEY_CHUNK = 128  # keys per online-softmax step of gemm_attention_cpu.c (its tests' sizes)
 
@@ -52,10 +52,10 @@ SIGNATURES = {
                            i32, i32, i32, i32, f32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
                            ptr, i64, ptr, i64, i64, i32],
     "gemm_attention_work_floats": [i32],
-    "gemv_f32": [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32],
-    "gemm_f32": [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32],
-    "gemm_pack_f32": [ptr, i64, i32, i32, ptr],
-    "gemm_packed_floats": [i32, i32],
+    "gemv_cpu": [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32, i32],
+    "gemm_cpu": [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32, i32],
+    "gemm_pack": [ptr, i64, i32, i32, ptr, i32],
+    "gemm_packed_size": [i32, i32],
     "pool_set_spin_us": [i32],
     "pool_set_spin_always": [i32],
     "add_rms_norm_f32": [ptr, i64, ptr, i64, ptr, f32, ptr, i64, ptr, i64, i32, i32, i32, i32],
@@ -66,8 +66,8 @@ SIGNATURES = {
     "convert_to_f32": [ptr, ptr, i64, i32, i32],
     "convert_from_f32": [ptr, ptr, i64, i32, i32],
 }
-RESTYPES = {"pool_set_spin_us": None, "pool_set_spin_always": None, "gemm_pack_f32": None,
-            "gemm_packed_floats": i64, "gemm_attention_work_floats": i64}
+RESTYPES = {"pool_set_spin_us": None, "pool_set_spin_always": None, "gemm_pack": None,
+            "gemm_packed_size": i64, "gemm_attention_work_floats": i64}
 # Whether every job keeps the pool's threads spinning after it (set_spin_always).
 _spin_always = False
 
@@ -132,42 +132,62 @@ def _cpu_id() -> str:
     return platform.processor()
 
 
-@functools.lru_cache(maxsize=1)
-def load_library() -> ctypes.CDLL | None:
-    """The built library, compiling it on first use; None (and one warning) when that fails."""
-    spin = spin_us()
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def library_key(flags: list[str] = FLAGS) -> str:
+    """What a build depends on (sources, flags, compiler, CPU), hashed: its file name, and part of
+    the key of kernels/cpu_tune.py's cached timings."""
+    return hashlib.sha256(b"\0".join([*(p.name.encode() + p.read_bytes() for p in sources()),
+                                      " ".join(flags).encode(), str(compiler()).encode(),
+                                      platform.machine().encode(), _cpu_id().encode()])).hexdigest()[:16]
+
+
+def build(path: Path, flags: list[str] = FLAGS) -> None:
+    """Compile every .c file of CSRC with `flags` into the shared object `path` (built beside it
+    and renamed: workers starting together never load half a file)."""
+    cc = compiler()
     if not cc:
-        log.warning("CPU kernels: no C compiler (CC, cc, gcc) found; using the torch reference")
-        return None
-    srcs = sources()
-    key = hashlib.sha256(b"\0".join([*(p.name.encode() + p.read_bytes() for p in srcs),
-                                     " ".join(FLAGS).encode(), cc.encode(),
-                                     platform.machine().encode(), _cpu_id().encode()])).hexdigest()[:16]
-    path = cache_dir() / f"pagoda_cpu-{key}.so"
+        raise OSError("no C compiler (CC, cc, gcc) found")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
     try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Build beside the target and rename: workers starting together never load half a file.
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-            os.close(fd)
-            try:
-                subprocess.run([cc, *FLAGS, "-o", tmp, *(str(p) for p in srcs if p.suffix == ".c"), "-lm"],
-                               check=True, capture_output=True, timeout=120)
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        log.warning("CPU kernels: building %s with %s failed (%s %s); using the torch reference",
-                    CSRC, cc, e, detail.decode(errors="replace")[-500:])
-        return None
+        subprocess.run([cc, *flags, "-o", tmp, *(str(p) for p in sources() if p.suffix == ".c"), "-lm"],
+                       check=True, capture_output=True, timeout=120)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with the argument and result types of SIGNATURES and RESTYPES set."""
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = RESTYPES.get(name, ctypes.c_int)
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    """The built library, compiling it on first use; None (and one warning) when that fails."""
+    spin = spin_us()
+    if not compiler():
+        log.warning("CPU kernels: no C compiler (CC, cc, gcc) found; using the torch reference")
+        return None
+    path = cache_dir() / f"pagoda_cpu-{library_key()}.so"
+    try:
+        if not path.exists():
+            build(path)
+        lib = bind(ctypes.CDLL(str(path)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("CPU kernels: building %s with %s failed (%s %s); using the torch reference",
+                    CSRC, compiler(), e, detail.decode(errors="replace")[-500:])
+        return None
     for name, want in (("qtile", QTILE), ("gemv_max_m", GEMV_MAX_M),
                        ("gemm_attention_rows", GEMM_ATTENTION_ROWS),
                        ("gemm_attention_key_chunk", GEMM_ATTENTION_KEY_CHUNK)):

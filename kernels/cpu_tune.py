@@ -5,7 +5,8 @@ shape of the model (the C GEMV and GEMM, oneDNN's prepacked matmul, plain F.line
 few row counts, the bucket ceilings of BUCKETS, and the fastest is kept per (shape, bucket): no
 rule of thumb from the developer's CPU decides. Choices are cached as JSON beside the kernel
 cache (cpu_lib.cache_dir), under a key of everything the timings depend on: the CPU's model name
-and flags, the dtype, torch's version and the model's linear shapes. A start whose key is cached
+and flags, the dtype, torch's version, the C kernels' build (their sources: a kernel changed or
+added is timed again) and the model's linear shapes. A start whose key is cached
 times nothing.
 
 The tuning is bounded: each candidate runs once untimed (it packs its weight, warms caches),
@@ -30,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from pagoda.kernels.cpu_lib import cache_dir, env_number
+from pagoda.kernels.cpu_lib import cache_dir, env_number, library_key
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def cpu_identity(cpuinfo: str | None = None) -> tuple[str, str]:
 def cache_key(dtype: torch.dtype, shapes: list[tuple[int, int]], cpuinfo: str | None = None) -> dict:
     model, flags = cpu_identity(cpuinfo)
     return {"format": FORMAT, "cpu": model, "flags": flags, "dtype": str(dtype).replace("torch.", ""),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "kernels": library_key(), "threads": torch.get_num_threads(),
             "shapes": sorted([list(s) for s in set(shapes)])}
 
 

@@ -1,7 +1,7 @@
 """The small-batch CPU linear (kernels/cpu_gemv.py, csrc/gemv_cpu.c) and the kernels' thread pool
-(csrc/thread_pool.c) it shares with the attention kernel: results against F.linear, a row's
-result independent of its batch and of the thread count, concurrent callers, a forked child, and
-idle pool threads that cost no CPU."""
+(csrc/thread_pool.c) it shares with the attention kernel: results against F.linear (bf16 and
+fp16 against fp32 on the same upcast values), a row's result independent of its batch and of
+the thread count, concurrent callers, a forked child, and idle pool threads that cost no CPU."""
 import os
 import subprocess
 import sys
@@ -33,10 +33,38 @@ def test_matches_f_linear(k, n):
         torch.testing.assert_close(small_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_rows_independent_of_batch_and_threads(monkeypatch):
+# Half the spacing of the dtype's values at |y| (its rounding), relative: the most a bf16/fp16
+# result may differ from the fp32 result of the same (upcast) inputs, beside fp32's own error.
+ROUNDING = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def assert_matches_upcast(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """y, a bf16/fp16 linear's result, is fp32's F.linear of the same values, rounded once."""
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], w.shape[0])
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(y.float(), want, rtol=ROUNDING[x.dtype], atol=1e-5 * x.shape[1] ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, 7, 31, 32, 33, 131, 257])     # blocks of 32 (bf16: 2 x 16) and tails
+@pytest.mark.parametrize("n", [1, 17, 300])
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_low_precision_matches_fp32_of_the_same_values(dtype, k, n, threads, monkeypatch):
+    monkeypatch.setenv("PAGODA_CPU_KERNEL_THREADS", threads)
+    g = torch.Generator().manual_seed(k * 1000 + n)
+    w, b = torch.randn(n * 20, k, generator=g).to(dtype), torch.randn(n * 20, generator=g).to(dtype)
+    for m in range(1, cpu_lib.GEMV_MAX_M + 1):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        assert cpu_gemv.takes(x, w, b)
+        assert_matches_upcast(small_linear(x, w, b), x, w, b)
+        assert_matches_upcast(small_linear(x, w), x, w, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_independent_of_batch_and_threads(monkeypatch, dtype):
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(2048, 1408, generator=g)     # big enough to split over every thread
-    x = torch.randn(cpu_lib.GEMV_MAX_M, 1408, generator=g)
+    w = torch.randn(2048, 1408, generator=g).to(dtype)     # big enough to split over every thread
+    x = torch.randn(cpu_lib.GEMV_MAX_M, 1408, generator=g).to(dtype)
     alone = [small_linear(x[i:i + 1], w) for i in range(len(x))]
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("PAGODA_CPU_KERNEL_THREADS", threads)
@@ -50,6 +78,8 @@ def test_refused_shapes_go_elsewhere():
     w = torch.randn(16, 8)
     assert not cpu_gemv.takes(torch.randn(cpu_lib.GEMV_MAX_M + 1, 8), w, None)
     assert not cpu_gemv.takes(torch.randn(2, 8).double(), w.double(), None)
+    assert not cpu_gemv.takes(torch.randn(2, 8).bfloat16(), w, None)            # mixed dtypes
+    assert not cpu_gemv.takes(torch.randn(2, 8), w, torch.randn(16).half())
     assert not cpu_gemv.takes(torch.randn(8, 2).t(), w, None)      # not contiguous
     assert not cpu_gemv.takes(torch.randn(2, 8), w, torch.randn(15))
     assert not cpu_gemv.takes(torch.randn(0, 8), w, None)

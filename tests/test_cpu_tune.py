@@ -63,11 +63,11 @@ def test_tune_picks_caches_and_reuses(cache):
     calls.clear()
     assert cpu_tune.tune(key, fake_work(timings, calls), 10.0, measure=measure_injected) == got
     assert calls == []
-    # Any part of the key changed (another CPU, dtype, torch, shapes): timed again.
+    # Any part of the key changed (another CPU, dtype, torch, C kernels, shapes): timed again.
     for other in (cpu_tune.cache_key(torch.float32, [(64, 32)], CPUINFO.replace("avx2", "avx512f")),
                   cpu_tune.cache_key(torch.bfloat16, [(64, 32)], CPUINFO),
                   cpu_tune.cache_key(torch.float32, [(64, 32), (8, 8)], CPUINFO),
-                  {**key, "torch": "0.0"}):
+                  {**key, "torch": "0.0"}, {**key, "kernels": "0" * 16}):
         assert cpu_tune.cache_path(other) != cpu_tune.cache_path(key)
         calls.clear()
         cpu_tune.tune(other, fake_work(timings, calls), 10.0, measure=measure_injected)
@@ -130,26 +130,34 @@ def test_forced_choice_wins(monkeypatch):
     assert parallel._impl(many, w, None) == "onednn"
     bf16 = torch.randn(4, 16).bfloat16()
     assert parallel._impl(bf16, w.bfloat16(), None) == ("onednn" if parallel.onednn_takes(torch.bfloat16) else "torch")
+    monkeypatch.setattr(parallel, "_CPU_GEMM", "c")        # the C kernels take bf16 and fp16 too
+    for dtype in (torch.bfloat16, torch.float16):
+        assert (parallel._impl(one.to(dtype), w.to(dtype), None), parallel._impl(many.to(dtype), w.to(dtype), None)) \
+            == ("gemv", "gemm")
 
 
-def test_tune_linears_installs_the_measured_choices(cache, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tune_linears_installs_the_measured_choices(cache, monkeypatch, dtype):
     g = torch.Generator().manual_seed(0)
-    w = torch.nn.Parameter(torch.randn(48, 40, generator=g), requires_grad=False)
-    b = torch.nn.Parameter(torch.randn(48, generator=g), requires_grad=False)
+    w = torch.nn.Parameter(torch.randn(48, 40, generator=g).to(dtype), requires_grad=False)
+    b = torch.nn.Parameter(torch.randn(48, generator=g).to(dtype), requires_grad=False)
     monkeypatch.setattr(parallel, "_choices", {})
+    # The C GEMV and GEMM are candidates in every dtype.
+    assert parallel._candidates(torch.randn(1, 40).to(dtype), w, b)[:2] == ["gemv", "gemm"]
+    assert parallel._candidates(torch.randn(9, 40).to(dtype), w, b)[0] == "gemm"
     tuned = parallel.tune_linears([(w, b), (w, b)])
-    picks = tuned[(48, 40, torch.float32)]
+    picks = tuned[(48, 40, dtype)]
     assert len(picks) == len(cpu_tune.BUCKETS) and set(picks) <= set(parallel.IMPLS)
     assert picks[2] != "gemv" and picks[3] != "gemv"          # past 8 rows the GEMV does not apply
     for rows, pick in zip((1, 8, 64, 256), picks):
-        assert parallel._impl(torch.randn(rows, 40), w, b) == pick
+        assert parallel._impl(torch.randn(rows, 40).to(dtype), w, b) == pick
     assert list(cache.glob("linear-choices-*.json"))
     # Forced onto one implementation, a tuned shape: dense_linear runs that one.
-    monkeypatch.setattr(parallel, "_choices", {(48, 40, torch.float32): ("torch",) * 4})
-    assert parallel._impl(torch.randn(3, 40), w, b) == "torch"
+    monkeypatch.setattr(parallel, "_choices", {(48, 40, dtype): ("torch",) * 4})
+    assert parallel._impl(torch.randn(3, 40).to(dtype), w, b) == "torch"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 70])
 def test_every_implementation_computes_the_same_linear(dtype, rows):
     g = torch.Generator().manual_seed(rows)
@@ -158,8 +166,8 @@ def test_every_implementation_computes_the_same_linear(dtype, rows):
     x = torch.randn(rows, 200, generator=g).to(dtype)
     want = F.linear(x.double(), w.double(), b.double())
     names = parallel._candidates(x, w, b)
-    assert "torch" in names and (dtype != torch.float32 or "gemm" in names)
-    # Each within its own tested tolerance: fp32 sums in fp32; bf16 rounds its output to bf16.
+    assert "torch" in names and "gemm" in names and ("gemv" in names) == (rows <= 8)
+    # Each within its own tested tolerance: fp32 sums in fp32; bf16/fp16 round the output.
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.1)
     with torch.inference_mode():
         for impl in names:

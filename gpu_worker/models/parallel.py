@@ -33,18 +33,19 @@ from pagoda.kernels.cpu_lib import GEMV_MAX_M
 
 CPU_GEMMS = ("auto", "c", "onednn", "torch")
 # The implementations a CPU linear can run (kernels/cpu_tune.py times them per shape and bucket):
-# the C GEMV (1 to GEMV_MAX_M fp32 rows), the C GEMM on a packed weight (fp32), oneDNN's matmul
-# on a weight in its blocked layout, and F.linear (MKL's sgemm for fp32 in the PyPI build).
+# the C GEMV (1 to GEMV_MAX_M rows), the C GEMM on a packed weight (both fp32, bf16 or fp16, summed
+# in fp32), oneDNN's matmul on a weight in its blocked layout, and F.linear (MKL's sgemm for fp32
+# in the PyPI build).
 IMPLS = ("gemv", "gemm", "onednn", "torch")
 
 
 def _cpu_gemm() -> str:
     """How CPU linears are computed (PAGODA_CPU_GEMM): auto (the default) takes, per linear shape
     and row bucket, whichever implementation tune_linears timed fastest at model load (untuned
-    shapes: c for fp32, torch otherwise); c forces the C kernels, kernels/cpu_gemv.py for 1-8 rows
-    and kernels/cpu_gemm.py above, both on the CPU kernels' thread pool (fp32; F.linear for
-    others); onednn forces oneDNN's matmul for every batch (on torch's OpenMP threads; F.linear
-    where oneDNN lacks the dtype on this CPU); torch forces F.linear."""
+    shapes: c); c forces the C kernels, kernels/cpu_gemv.py for 1-8 rows and kernels/cpu_gemm.py
+    above, both on the CPU kernels' thread pool (fp32, bf16, fp16); onednn forces oneDNN's
+    matmul for every batch (on torch's OpenMP threads; F.linear where oneDNN lacks the dtype on
+    this CPU); torch forces F.linear."""
     choice = os.environ.get("PAGODA_CPU_GEMM", "auto")
     if choice not in CPU_GEMMS:
         raise ValueError(f"PAGODA_CPU_GEMM: must be one of {', '.join(CPU_GEMMS)} (got {choice!r})")
@@ -117,9 +118,9 @@ def run_linear(impl: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, for 2-D fp32, bf16 or fp16 rows on a CPU by the implementation _impl picks: what
     tune_linears measured fastest for this shape and row count on this machine, or the one
-    PAGODA_CPU_GEMM forces, or for an untuned shape the C kernels (fp32: kernels/cpu_gemv.py at
-    1-8 rows, a decode step streaming the weights; kernels/cpu_gemm.py above, on a weight packed
-    once, _packed) and F.linear (other dtypes). All sum in fp32 at least; results differ from
+    PAGODA_CPU_GEMM forces, or for an untuned shape the C kernels (kernels/cpu_gemv.py at 1-8
+    rows, a decode step streaming the weights; kernels/cpu_gemm.py above, on a weight packed
+    once, _packed). All sum in fp32 at least; results differ from
     F.linear's in the last bits, as any other blocking of the sum would. Anything else, or with
     autograd recording, is F.linear."""
     if (x.dim() == 2 and x.device.type == "cpu" and x.dtype in _DTYPES and weight.dtype == x.dtype
@@ -133,9 +134,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def _candidates(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> list[str]:
     """The implementations that take this call, in IMPLS order."""
     out = []
-    if x.dtype == torch.float32 and cpu_gemv.takes(x, weight, bias):
+    if cpu_gemv.takes(x, weight, bias):
         out.append("gemv")
-    if x.dtype == torch.float32 and cpu_gemm.takes(x, weight, bias):
+    if cpu_gemm.takes(x, weight, bias):
         out.append("gemm")
     if onednn_takes(x.dtype):
         out.append("onednn")
@@ -186,10 +187,9 @@ def tune_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) ->
 
 def _default_name(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """What _impl runs for an untuned shape."""
-    fp32 = x.dtype == torch.float32
-    if fp32 and x.shape[0] <= GEMV_MAX_M and cpu_gemv.takes(x, weight, bias):
+    if x.shape[0] <= GEMV_MAX_M and cpu_gemv.takes(x, weight, bias):
         return "gemv"
-    return "gemm" if fp32 and cpu_gemm.takes(x, weight, bias) else "torch"
+    return "gemm" if cpu_gemm.takes(x, weight, bias) else "torch"
 
 
 def _onednn_layout(weight: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@
 
 #include "vec.h"
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -87,9 +87,33 @@ static inline float round_to(float x, int kind) {
 /* ---- 8 lanes ---- */
 
 static inline v8 load8_bf16(const uint16_t *p) {
+#if defined(__AVX2__)   /* GCC splits the generic form into 128-bit halves: 6 instructions, not 2 */
+    __m256i y = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    v8 r;
+    memcpy(&r, &y, sizeof r);
+    return r;
+#else
     v8h h;
     memcpy(&h, p, sizeof h);
     return (v8)(__builtin_convertvector(h, v8ui) << 16);
+#endif
+}
+
+/* 16 bf16 from p as two fp32 vectors, the even elements and the odd ones: one 32-byte load and
+ * two integer ops where load8_bf16 twice is two loads and four (each 32-bit word of a
+ * little-endian machine holds an even element in its low half, the next odd one above). */
+static inline void load16_bf16_split(const uint16_t *p, v8 *even, v8 *odd) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    v8ui u;
+    memcpy(&u, p, sizeof u);
+    *even = (v8)(u << 16);
+    *odd = (v8)(u & 0xFFFF0000u);
+#else
+    for (int l = 0; l < 8; l++) {
+        (*even)[l] = bf16_to_f32_portable(p[2 * l]);
+        (*odd)[l] = bf16_to_f32_portable(p[2 * l + 1]);
+    }
+#endif
 }
 
 static inline void store8_bf16(uint16_t *p, v8 x) {
