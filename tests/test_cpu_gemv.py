@@ -184,3 +184,19 @@ def test_bad_spin_setting_named():
                          env={**os.environ, "PAGODA_CPU_SPIN_US": "lots"})
     assert out.returncode != 0
     assert "PAGODA_CPU_SPIN_US: must be an integer from 0 to 1000000 microseconds (got 'lots')" in out.stderr
+
+
+def test_avx512_bf16_path_compiles_to_vdpbf16ps(tmp_path):
+    # No CPU here runs it (no AVX-512): built for Sapphire Rapids, the bf16 GEMV must at least
+    # compile and use the instruction; without the target it must not.
+    cc = cpu_lib.compiler()
+    src = str(cpu_lib.CSRC / "gemv_cpu.c")
+    probe = subprocess.run([cc, "-march=sapphirerapids", "-x", "c", "-c", "-o", os.devnull, "-"], input="",
+                           capture_output=True, text=True, timeout=60)
+    if probe.returncode:
+        pytest.skip(f"{cc} does not target sapphirerapids here")
+    for march, want in (("sapphirerapids", True), ("haswell", False)):
+        out = subprocess.run([cc, "-O3", f"-march={march}", "-Wall", "-Werror", "-S", "-o", "-", src],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert ("vdpbf16ps" in out.stdout) == want, march

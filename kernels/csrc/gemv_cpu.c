@@ -21,6 +21,7 @@
  * Plain C with GCC vector extensions (AVX2 with -march=native), no -ffast-math. */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "convert.h"
 #include "thread_pool.h"
@@ -28,13 +29,37 @@
 
 #define GEMV_MAX_M 8
 
+/* AVX512_BF16 (vdpbf16ps: 16 products of bf16 pairs into 8 fp32 sums per instruction) where the
+ * compiler targets it: bf16 weights then multiply the caller's bf16 rows as they are (subnormal
+ * inputs count as zero there, as the instruction does). Compiled and checked for the instruction
+ * by tests/test_cpu_gemv.py; not run on the machines this was written on (no AVX-512), so its
+ * results are held only by the tests of such a machine. */
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define GEMV_DPBF16 1
+#include <immintrin.h>
+#else
+#define GEMV_DPBF16 0
+#endif
+
 typedef struct {
     const float *x; int64_t xs;       /* fp32 rows (the caller's, or converted from them) */
     const void *w; int64_t ws;
     const void *bias;
     void *y; int64_t ys;
     int m, k, n, kind;
+    const uint16_t *xh; int64_t xhs;  /* the caller's rows when bf16 (GEMV_DPBF16) */
 } Gemv;
+
+#if GEMV_DPBF16
+static inline v8 dpbf16(v8 acc, const uint16_t *w, const uint16_t *x) {
+    __m256 a;
+    memcpy(&a, &acc, sizeof a);
+    a = _mm256_dpbf16_ps(a, (__m256bh)_mm256_loadu_si256((const __m256i *)w),
+                         (__m256bh)_mm256_loadu_si256((const __m256i *)x));
+    memcpy(&acc, &a, sizeof acc);
+    return acc;
+}
+#endif
 
 /* 32 weights from element i of a row, as fp32: in order, or for bf16 each 16 as its even
  * elements, then its odd ones (the order x_to_f32 gives the x rows). */
@@ -72,6 +97,15 @@ static inline __attribute__((always_inline)) void dot_row(const Gemv *g, const v
     v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
     const int K = g->k;
     int i = 0;
+#if GEMV_DPBF16
+    if (kind == KIND_BF16) {    /* the blocks of 32 from the bf16 rows, a0..a1 and b0..b1 */
+        const uint16_t *w16 = (const uint16_t *)wr, *ha = g->xh + m0 * g->xhs, *hb = pair ? ha + g->xhs : ha;
+        for (; i + 32 <= K; i += 32) {
+            a0 = dpbf16(a0, w16 + i, ha + i), a1 = dpbf16(a1, w16 + i + 16, ha + i + 16);
+            if (pair) b0 = dpbf16(b0, w16 + i, hb + i), b1 = dpbf16(b1, w16 + i + 16, hb + i + 16);
+        }
+    }
+#endif
     if (pair) {
         for (; i + 32 <= K; i += 32) {
             v8 u0, u1, u2, u3;
@@ -134,7 +168,7 @@ int gemv_cpu(const void *x, int64_t xs, const void *w, int64_t ws, const void *b
         if (!(x32 = malloc(sizeof(float) * m * k))) return 2;
         for (int r = 0; r < m; r++) x_to_f32(x32 + (int64_t)r * k, (const uint16_t *)x + r * xs, k, kind);
     }
-    Gemv g = {x32 ? x32 : (const float *)x, x32 ? k : xs, w, ws, bias, y, ys, m, k, n, kind};
+    Gemv g = {x32 ? x32 : (const float *)x, x32 ? k : xs, w, ws, bias, y, ys, m, k, n, kind, x, xs};
     /* a thread per 64 KiB of weights at least: tiny layers are not worth a wake-up */
     int64_t most = (int64_t)n * k * kind_size(kind) / 65536;
     if (threads > most) threads = most < 1 ? 1 : (int)most;
