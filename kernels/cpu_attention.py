@@ -22,8 +22,8 @@ every layer. paged_attention_cpu has paged_attention_ref's signature and semanti
 (kernels/reference.py) and falls back to it for what the C kernels do not take: fp8 caches,
 queries and caches of different dtypes or of a dtype other than fp32, bf16 and fp16, head_dim
 not a multiple of 8, non-CPU tensors, or no working C compiler (logged once). bf16 and fp16 are
-read in place and summed in fp32, by paged_attention_cpu.c alone (gemm_attention_cpu.c is
-fp32 only).
+read in place and summed in fp32 by paged_attention_cpu.c, and converted to fp32 as
+gemm_attention_cpu.c packs them.
 """
 from __future__ import annotations
 
@@ -227,9 +227,9 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     starts_t = query_start_loc.to(torch.int32).contiguous()
     hq, hkv, d, bs = q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
     threads = kernel_threads()
-    # Matrix products only for plain fp32 attention: no window, cap or sinks (16-bit pools and
-    # queries take paged_attention_cpu.c for every sequence, which widens them as it reads).
-    gemm = not (sliding_window or softcap or sinks is not None) and d % 16 == 0 and q.dtype == torch.float32
+    # Matrix products only for plain attention: no window, cap or sinks (16-bit pools and queries
+    # become fp32 as gemm_attention_cpu.c packs them).
+    gemm = not (sliding_window or softcap or sinks is not None) and d % 16 == 0
     key = ("cpu_attention", hq, hkv, d, bs, threads, gemm, heads_per_item)
     plan = memo.get(key) if memo is not None else None
     if plan is None:
@@ -254,7 +254,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             tables.data_ptr(), tables.stride(0), hq, hkv, d, bs, float(scale), len(jobs.rep), jobs.rep.ctypes.data,
             jobs.klo.ctypes.data, jobs.keys.ctypes.data, jobs.tok_off.ctypes.data, jobs.pos0.ctypes.data,
             jobs.mode.ctypes.data, jobs.toks.ctypes.data, jobs.pack_off.ctypes.data, part_o, part_ml,
-            space.data_ptr(), work, jobs.items.ctypes.data, jobs.n_first, len(jobs.items), threads)
+            space.data_ptr(), work, jobs.items.ctypes.data, jobs.n_first, len(jobs.items), KINDS[q.dtype], threads)
         if rc:
             raise RuntimeError(f"gemm_attention_cpu: kernel refused the shapes (code {rc})")
     if len(plan.items):

@@ -50,7 +50,7 @@ SIGNATURES = {
                             i32, ptr, i64, i32, i32, i32],
     "gemm_attention_cpu": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64,
                            i32, i32, i32, i32, f32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
-                           ptr, i64, ptr, i64, i64, i32],
+                           ptr, i64, ptr, i64, i64, i32, i32],
     "gemm_attention_work_floats": [i32],
     "gemv_cpu": [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32, i32],
     "gemm_cpu": [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32, i32],

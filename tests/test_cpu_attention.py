@@ -42,6 +42,23 @@ def test_matches_reference_and_float64(step, hq, hkv, d, bs):
     torch.testing.assert_close(out.double(), dense_attention(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 4, 64, 16), (6, 2, 128, 8)])
+def test_16_bit_prefill_chunks_as_matrix_products(dtype, hq, hkv, d, bs):
+    # gemm_attention_cpu.c on bf16/fp16 queries and pools (converted as it packs them): against
+    # the float64 attention of the same 16-bit inputs, within one rounding of the output.
+    q_lens, seq_lens = [300, 40, 1, 600], [600, 300, 50, 600]
+    b = random_paged_batch(q_lens, seq_lens, hq, hkv, d, bs, generator=torch.Generator().manual_seed(12))
+    b = dict(b, q=b["q"].to(dtype), k_cache=b["k_cache"].to(dtype), v_cache=b["v_cache"].to(dtype))
+    poison_spare_blocks(b)
+    memo: dict = {}
+    out = paged_attention_cpu(**b, out=torch.full_like(b["q"], float("nan")), memo=memo)
+    assert plan_of(memo).jobs.rep.tolist() == [0, 1, 3]
+    assert out.dtype == dtype and not out.isnan().any()
+    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    torch.testing.assert_close(out.double(), dense_attention(b), rtol=ulp, atol=1e-5)
+
+
 @pytest.mark.parametrize("feature", ["window", "softcap", "sinks", "all"])
 @pytest.mark.parametrize("step", ["decode", "chunked"])
 def test_features_match_float64(feature, step):

@@ -19,12 +19,15 @@
  * Passes over the pool: the keys and values of each (job, KV head) are packed first (K
  * transposed into 16-key panels, V contiguous, both zero-padded to a multiple of 16 keys),
  * then the shared jobs' items run, then the own jobs' (which read the shared partials).
- * fp32 only, head_dim a multiple of 16, no window, soft-cap or sinks (the planner sends
- * those to paged_attention_cpu.c). */
+ * q, out and the pool fp32, bf16 or fp16 (one `kind`, convert.h): 16-bit keys and values
+ * become fp32 as they are packed, query rows as they are packed, and each output row is
+ * rounded once on the way out; the products are the fp32 ones. Head_dim a multiple of 16, no
+ * window, soft-cap or sinks (the planner sends those to paged_attention_cpu.c). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "convert.h"
 #include "gemm_micro.h"
 #include "attention_cpu.h"
 #include "thread_pool.h"
@@ -40,7 +43,7 @@ typedef struct {
     Paged p;
     int hq, hkv, d, bs;
     float scale;
-    int n_jobs;
+    int n_jobs, kind;
     /* per job: the sequence whose table holds the keys, the keys [klo, klo + len), its rows'
      * tokens tok[tok_off[j]:tok_off[j + 1]], the position of its first token (causal jobs;
      * -1: unmasked), what becomes of the result, where its packed keys start in scratch */
@@ -64,7 +67,7 @@ static inline int item_rows(int total) {
 /* (job, KV head) i: its keys transposed into 16-key panels and its values, both padded */
 static void pack_task(void *ctx, int id, int threads) {
     Jobs *c = (Jobs *)ctx;
-    const int D = c->d;
+    const int D = c->d, kind = c->kind, es = kind_size(kind);
     for (int64_t i = id; i < (int64_t)c->n_jobs * c->hkv; i += threads) {
         const int j = (int)(i / c->hkv), h = (int)(i % c->hkv);
         const int P = c->j_len[j], Pp = padded(P), klo = c->j_klo[j];
@@ -80,10 +83,11 @@ static void pack_task(void *ctx, int id, int threads) {
             }
             const int key = klo + t;
             const int64_t blk = table[key / c->bs], off = key % c->bs;
-            const float *kr = c->p.k + blk * c->p.k_sb + off * c->p.k_st + h * c->p.k_sh;
-            memcpy(vrow, c->p.v + blk * c->p.v_sb + off * c->p.v_st + h * c->p.v_sh, sizeof(float) * D);
+            const char *kr = (const char *)c->p.k + (blk * c->p.k_sb + off * c->p.k_st + h * c->p.k_sh) * es;
+            row_to_f32(vrow, (const char *)c->p.v + (blk * c->p.v_sb + off * c->p.v_st + h * c->p.v_sh) * es, D,
+                       kind);
             for (int e = 0; e < D; e += 8) {
-                v8 x = load8(kr + e);
+                v8 x = load8_kind(kr, e, kind);
                 for (int u = 0; u < 8; u++) kcol[(e + u) * NR] = x[u];
             }
         }
@@ -112,8 +116,9 @@ static void run_item(Jobs *c, int64_t item, float *work) {
             continue;
         }
         const int row = r0 + r;
-        const float *src = c->p.q + (int64_t)toks[row / G] * c->p.q_st + (int64_t)(h * G + row % G) * c->p.q_sh;
-        for (int e = 0; e < D; e++) dst[e * MR] = src[e] * c->scale;
+        const void *src = (const char *)c->p.q
+                          + ((int64_t)toks[row / G] * c->p.q_st + (int64_t)(h * G + row % G) * c->p.q_sh) * kind_size(c->kind);
+        for (int e = 0; e < D; e++) dst[e * MR] = get_f32(src, e, c->kind) * c->scale;
         mrow[r] = -INFINITY;
         lrow[r] = 0.0f;
     }
@@ -176,14 +181,16 @@ static void run_item(Jobs *c, int64_t item, float *work) {
             c->part_ml[at * 2 + 1] = lrow[r];
             continue;
         }
-        float *dst = c->p.out + (int64_t)t * c->p.o_st + (int64_t)head * c->p.o_sh;
+        void *dst = (char *)c->p.out + ((int64_t)t * c->p.o_st + (int64_t)head * c->p.o_sh) * kind_size(c->kind);
+        float res[D];
         if (mode == FINAL) {
             const float inv = 1.0f / lrow[r];
-            for (int e = 0; e < D; e++) dst[e] = orow[e] * inv;
-            continue;
+            for (int e = 0; e < D; e++) res[e] = orow[e] * inv;
+        } else {
+            merge_partials(res, c->part_o + at * D, c->part_ml[at * 2], c->part_ml[at * 2 + 1], orow, mrow[r],
+                           lrow[r], D);
         }
-        merge_partials(dst, c->part_o + at * D, c->part_ml[at * 2], c->part_ml[at * 2 + 1], orow, mrow[r],
-                       lrow[r], D);
+        row_from_f32(dst, res, D, c->kind);
     }
 }
 
@@ -215,10 +222,11 @@ int gemm_attention_cpu(const float *q, int64_t q_st, int64_t q_sh, float *out, i
                        const int32_t *j_tok_off, const int32_t *j_pos0, const int32_t *j_mode,
                        const int32_t *tok, const int64_t *j_pack_off, float *part_o, float *part_ml,
                        float *scratch, int64_t work_floats, const int64_t *items, int64_t n_first,
-                       int64_t n_items, int threads) {
-    if (d % NR || hq % hkv || n_jobs < 1 || bs < 1 || n_first > n_items) return 1;
+                       int64_t n_items, int kind, int threads) {
+    if (d % NR || hq % hkv || n_jobs < 1 || bs < 1 || n_first > n_items || kind < KIND_F32 || kind > KIND_F16)
+        return 1;
     Jobs c = {{q, q_st, q_sh, out, o_st, o_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh, bt, bt_s},
-              hq, hkv, d, bs, scale, n_jobs, j_rep, j_klo, j_len, j_tok_off, j_pos0, j_mode, tok,
+              hq, hkv, d, bs, scale, n_jobs, kind, j_rep, j_klo, j_len, j_tok_off, j_pos0, j_mode, tok,
               j_pack_off, part_o, part_ml, scratch, work_floats, items, 0, 0};
     pool_run(pack_task, &c, n_jobs * hkv < threads ? n_jobs * hkv : threads, 1);
     /* the shared jobs' partials are complete before any own job merges them */
