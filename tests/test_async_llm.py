@@ -160,6 +160,45 @@ def test_queue_full_is_refused(tiny_model):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("fairness", ["tenant", "fifo"])
+def test_a_queue_another_tenant_filled_still_takes_a_tenants_fair_share(tiny_model, fairness):
+    """Tenant A's burst fills the queue (1 running + max_waiting 2); A's next request is refused,
+    but tenant B's are taken up to B's share of what the worker holds ((2 + 1) / 2 tenants), as
+    long as fairness is on: a burst cannot lock a neighbour out. With fifo the bound is flat."""
+    eng = AsyncLLM(EngineConfig(model=tiny_model, device="cpu", num_kv_blocks=64, max_num_seqs=1,
+                                max_waiting=2, scheduling_fairness=fairness))
+
+    async def main():
+        sp = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+        tasks = [asyncio.create_task(collect(eng.generate(f"a{i}", rand_ids(10, i), sp, tenant="A")))
+                 for i in range(3)]
+        deadline = time.monotonic() + 10
+        while eng.stats().waiting + eng.stats().running < 3:
+            assert time.monotonic() < deadline and not any(t.done() for t in tasks), tasks
+            await asyncio.sleep(0.005)
+        with pytest.raises(QueueFullError):
+            await collect(eng.generate("a-extra", [5, 6], sp, tenant="A"))
+        taken = []
+        for i in range(3):
+            gen = eng.generate(f"b{i}", [5, 6 + i], sp, tenant="B")
+            first = asyncio.create_task(gen.__anext__())
+            await asyncio.sleep(0.05)
+            if first.done() and isinstance(first.exception(), QueueFullError):
+                break
+            taken.append((f"b{i}", gen, first))
+        assert len(taken) == (2 if fairness == "tenant" else 0)
+        for rid in [f"a{i}" for i in range(3)] + [t[0] for t in taken]:
+            await eng.abort(rid)
+        await asyncio.gather(*tasks)
+        for _, gen, first in taken:
+            await first
+            await collect(gen)
+        await wait_idle(eng)
+        await eng.shutdown()
+
+    asyncio.run(main())
+
+
 def test_an_engine_fault_fails_its_streams_and_the_engine_refuses_the_rest(tiny_model):
     """The forward failing is the engine's own fault (gpu_worker/core/faults.py): every stream
     ends with the error, blocks come back, and the engine is dead (fatal; the worker then

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--max-lora-rank", type=int, default=_D["max_lora_rank"],
                       help="the largest adapter rank accepted (slots are sized for it)")
     p.add_argument("--max-waiting", type=int, default=_D["max_waiting"],
-                   help="requests queued beyond this are refused with RESOURCE_EXHAUSTED")
+                   help="requests queued beyond this are refused with RESOURCE_EXHAUSTED (with tenant "
+                        "fairness, not those of a tenant below its share of the worker: another's burst "
+                        "cannot lock it out)")
     p.add_argument("--redis-url", default=None, help="publish load and cached blocks here (password: REDIS_PASSWORD)")
     p.add_argument("--advertise-address", default=None, help="HOST:PORT routers dial (default: hostname:port)")
     p.add_argument("--worker-id", default=None, help="default: hostname-port-pid-random")

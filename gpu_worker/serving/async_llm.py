@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Callable, Optional, Union
 
@@ -97,6 +98,7 @@ class AsyncLLM:
                                   runner.quant.method if runner.quant is not None else "none")
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._live: Counter[str] = Counter()     # tenant -> its live streams (_below_fair_share)
         # Adds sent (written by the event loop) and adds applied (written by the engine thread):
         # each counter has one writer, so their difference needs no lock.
         self._adds_sent = 0
@@ -132,10 +134,11 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.engine.validate_request(request_id, prompt_token_ids, params, priority, cache_salt,
                                      adapter, check_id=False, tenant=tenant)
-        if self._num_queued() >= self.config.max_waiting:
+        if self._num_queued() >= self.config.max_waiting and not self._below_fair_share(tenant):
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         stream = _Stream(asyncio.get_running_loop(), params.n)
         self._streams[request_id] = stream
+        self._live[tenant] += 1
         self._adds_sent += 1
         self._commands.put(AddCommand(request_id, list(prompt_token_ids), params, priority,
                                       cache_salt, adapter, tenant, stream))
@@ -160,8 +163,23 @@ class AsyncLLM:
         finally:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
+            self._live[tenant] -= 1
+            if not self._live[tenant]:
+                del self._live[tenant]
             if not done:
                 self._commands.put(AbortCommand(request_id, notify=False))
+
+    def _below_fair_share(self, tenant: str) -> bool:
+        """With tenant fairness, a full queue still takes a request of a tenant that holds less
+        than its share of what the worker holds (max_waiting + max_num_seqs, over the tenants with
+        live requests, this one counted), so another tenant's burst that filled the queue cannot
+        lock it out; the scheduler then admits it ahead of the burst. Each tenant overshoots the
+        bound by at most its share, so the queue stays within about twice max_waiting."""
+        if self.config.scheduling_fairness != "tenant":
+            return False
+        tenants = len(self._live) + (tenant not in self._live)
+        held = self.config.max_waiting + self.config.max_num_seqs
+        return tenants > 1 and self._live[tenant] < held / tenants
 
     def _num_queued(self) -> int:
         """Requests that would wait: the engine's queue plus adds still crossing over, less
