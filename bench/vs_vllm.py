@@ -1,17 +1,26 @@
-"""pagoda against vLLM itself on this machine, side by side (issue 22).
+"""pagoda against vLLM (and llama.cpp) on this machine, side by side (issues 22 and 33).
 
-Same random Llama checkpoint (4 layers, hidden 512, GQA 8/4 heads of 64, vocab 8,192, fp32, built
-once into a cache directory with a tokenizer of the same vocabulary), same token-id requests
-(ignore_eos, so both produce the same number of tokens), same settings: 512 MiB of KV cache,
+Same random checkpoint, built once into a cache directory with a tokenizer of the same
+vocabulary (--model):
+
+    tiny      Llama, 4 layers, hidden 512, GQA 8/4 heads of 64, vocab 8,192 (64 MB of fp32 weights)
+    qwen0.5b  Qwen2.5-0.5B's config: Qwen2, 24 layers, hidden 896, intermediate 4,864, 14/2 heads
+              of 64, vocab 151,936, tied embeddings, q/k/v bias (1.98 GB of fp32 weights read per
+              token); building it takes about 4 minutes here, mostly the 151k-token tokenizer
+
+with weights drawn peaked (gpu_worker/testing/tiny_model.py). Same token-id requests
+(ignore_eos, so all produce the same number of tokens), same settings: --dtype (float32 or
+bfloat16, the weights' and activations' dtype in every engine), 512 MiB of KV cache,
 2 threads, max_num_seqs 256, max_num_batched_tokens 4096, max_model_len 2048, prefix caching on,
 chunked prefill and block size each engine's default (both chunk; vLLM's CPU blocks hold 128
 tokens, pagoda's 16). Both detokenize, as each does by default. Workloads, all requests
-submitted at once:
+submitted at once (tiny; qwen0.5b's in brackets, sized to finish in minutes on 2 cores):
 
-    greedy         256 requests, prompts uniform in 64-512 tokens, 128 output tokens
+    greedy         256 [16] requests, prompts uniform in 64-512 [32-128] tokens, 128 [32] output tokens
     top-p          the same prompts, temperature 1, top_p 0.9
-    shared-prefix  64 requests: one 1,024-token prefix + distinct 64-token suffixes, 128 out
-    single         one request, 128-token prompt, 256 output tokens
+    shared-prefix  64 [16] requests: one 1,024 [512]-token prefix + distinct 64 [32]-token suffixes,
+                   128 [32] out
+    single         one request, 128 [64]-token prompt, 256 [64] output tokens
 
 Each engine runs in its own process and interpreter, driven through its engine step loop
 (vLLM's LLMEngine add_request/step, pagoda's LLMEngine): TTFT is stamped when a request's first
@@ -24,8 +33,16 @@ process, the order alternating; the report gives medians and min-max per workloa
 pagoda/vLLM ratio of each round's pair, greedy token agreement, start-ups and load averages.
 
     python bench/vs_vllm.py                          # the recorded run (about 12 minutes here)
+    python bench/vs_vllm.py --dtype bfloat16         # both engines in bf16
+    python bench/vs_vllm.py --model qwen0.5b --rounds 1
+    python bench/vs_vllm.py --engines vllm pagoda llamacpp
     python bench/vs_vllm.py --quick --engines pagoda # smoke run: tiny model, a few seconds
     python bench/vs_vllm.py --json out.json          # every figure and token, as JSON
+
+The report opens with the CPU (lscpu model and flags), the pagoda commit and the kernels it
+chose, and the memory-bandwidth bound of one stream: weight bytes read per decoded token
+(weight_bytes_per_token) over the machine's read bandwidth (read_bandwidth, measured at the
+start), beside each engine's single-stream decode rate as a share of it.
 
 vLLM is never a dependency of pagoda: it runs under --vllm-python (default $VLLM_PYTHON, else
 /work/venvs/vllm/bin/python). To make that environment elsewhere:
@@ -40,6 +57,20 @@ break `import transformers`; a text model needs none of them, so the bench hides
 vLLM processes (a sitecustomize on their PYTHONPATH) instead of asking anyone to edit the venv.
 vLLM compiles its model with inductor at start; its compile cache lives under the bench's cache
 directory (VLLM_CACHE_ROOT), and each vLLM run records whether that cache was warm.
+
+llama.cpp (--engines ... llamacpp) runs through llama-cpp-python under --llamacpp-python
+(default $LLAMACPP_PYTHON, else /work/venvs/llamacpp/bin/python), built from the registry's
+source package for this CPU, and the GGUF (f32 or bf16, as --dtype) is made once per checkpoint
+by the converter vendored in that package (--llamacpp-src, its vendor/llama.cpp; convert_gguf
+says what is changed around it). Its Python API decodes one sequence at a time, so it runs the
+single-stream workload only, greedy, fed the same token ids. To make that environment:
+
+    python -m venv /work/venvs/llamacpp && mkdir -p /work/venvs/llamacpp-src
+    pip download --no-deps --no-binary :all: -d /work/venvs/llamacpp-src llama-cpp-python==0.3.36
+    tar xzf /work/venvs/llamacpp-src/llama_cpp_python-0.3.36.tar.gz -C /work/venvs/llamacpp-src
+    CMAKE_ARGS="-DGGML_NATIVE=ON" /work/venvs/llamacpp/bin/pip install \
+        /work/venvs/llamacpp-src/llama_cpp_python-0.3.36.tar.gz
+    /work/venvs/llamacpp/bin/pip install torch numpy transformers pyyaml   # for the converter
 """
 from __future__ import annotations
 
@@ -62,11 +93,26 @@ MODEL = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1408, num_a
 # vLLM's CPU attention wants head_dim a multiple of 32.
 QUICK_MODEL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=32, max_position_embeddings=2048)
-VOCAB, QUICK_VOCAB = 8192, 1024
+# Qwen2.5-0.5B's config (heads of 896 / 14 = 64, tied embeddings, q/k/v bias: the qwen2 family's).
+QWEN05B_MODEL = dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                     num_key_value_heads=2, max_position_embeddings=32768, max_window_layers=24)
+VOCAB, QUICK_VOCAB, QWEN_VOCAB = 8192, 1024, 151_936
+# --model: (tiny_model family, vocabulary, config overrides, checkpoint directory under --cache-dir).
+MODELS = {"tiny": ("llama", VOCAB, MODEL, "model"),
+          "qwen0.5b": ("qwen2", QWEN_VOCAB, QWEN05B_MODEL, "model-qwen0.5b"),
+          "quick": ("llama", QUICK_VOCAB, QUICK_MODEL, "model-quick")}
+# Workload sizes per model (see workloads()): batched prompts lo-hi tokens, requests, output tokens;
+# shared prefix, suffix and requests; single stream's prompt and output. The 0.5B shape computes
+# about 60x the tiny model's FLOPs per token, so its workloads are smaller, to finish in minutes here.
+SIZES = {"tiny": (64, 512, 256, 128, 1024, 64, 64, 128, 256),
+         "qwen0.5b": (32, 128, 16, 32, 512, 32, 16, 64, 64),
+         "quick": (16, 64, 8, 16, 128, 16, 8, 32, 32)}
 FIRST_TOKEN = 5         # ids below are the tokenizer's special tokens
 WORKLOADS = ("greedy", "top-p", "shared-prefix", "single")
 GREEDY = ("greedy", "shared-prefix", "single")
 DEFAULT_VLLM_PYTHON = "/work/venvs/vllm/bin/python"
+DEFAULT_LLAMACPP_PYTHON = "/work/venvs/llamacpp/bin/python"
+DEFAULT_LLAMACPP_SRC = "/work/venvs/llamacpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp"
 # The vLLM processes must not see these (module docstring).
 HIDE_MODULES = ("torchvision", "torchaudio", "torchcodec")
 SITECUSTOMIZE = f'''"""Written by bench/vs_vllm.py: hide {HIDE_MODULES} from every import system finder."""
@@ -100,31 +146,62 @@ def settings(threads: int, dtype: str = "float32") -> dict:
                 enable_prefix_caching=True)
 
 
-def workloads(vocab: int, quick: bool, seed: int = 0) -> list[dict]:
-    """Token-id prompts for the four workloads (module docstring); --quick shrinks every size."""
+def workloads(model: str, seed: int = 0) -> list[dict]:
+    """Token-id prompts for the four workloads (module docstring), sized for `model` (SIZES)."""
     rng = random.Random(seed)
+    vocab = MODELS[model][1]
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(FIRST_TOKEN, vocab) for _ in range(n)]
-    lo, hi, n, out = (16, 64, 8, 16) if quick else (64, 512, 256, 128)
+    lo, hi, n, out, n_prefix, n_suffix, n_shared, single_prompt, single_out = SIZES[model]
     prompts = [tokens(rng.randint(lo, hi)) for _ in range(n)]
-    prefix = tokens(128 if quick else 1024)
-    shared = [prefix + tokens(16 if quick else 64) for _ in range(8 if quick else 64)]
+    prefix = tokens(n_prefix)
+    shared = [prefix + tokens(n_suffix) for _ in range(n_shared)]
     return [dict(name="greedy", prompts=prompts, max_tokens=out, temperature=0.0, top_p=1.0),
             dict(name="top-p", prompts=prompts, max_tokens=out, temperature=1.0, top_p=0.9),
             dict(name="shared-prefix", prompts=shared, max_tokens=out, temperature=0.0, top_p=1.0),
-            dict(name="single", prompts=[tokens(32 if quick else 128)], max_tokens=32 if quick else 256,
+            dict(name="single", prompts=[tokens(single_prompt)], max_tokens=single_out,
                  temperature=0.0, top_p=1.0)]
 
 
-def build_model(path: str, quick: bool) -> str:
-    """The checkpoint at `path`, built when missing (the directory name carries the shape)."""
+def build_model(path: str, model: str) -> str:
+    """The checkpoint of `model` (MODELS) at `path`, built when missing: random weights drawn
+    peaked, and a tokenizer of the same vocabulary (tiny_model)."""
     if not os.path.exists(os.path.join(path, "config.json")):
         sys.path.insert(0, REPO)
         from pagoda.gpu_worker.testing.tiny_model import make_tiny_model
-        make_tiny_model(path, family="llama", seed=0, vocab_size=QUICK_VOCAB if quick else VOCAB,
-                        **(QUICK_MODEL if quick else MODEL))
+        family, vocab, config, _ = MODELS[model]
+        make_tiny_model(path, family=family, seed=0, vocab_size=vocab, **config)
     return path
+
+
+def weight_bytes_per_token(path: str, dtype: str) -> int:
+    """Bytes of weights that one decode step of one sequence reads, in `dtype`: every tensor of
+    the checkpoint but the input embedding (one row of it is gathered); a tied embedding is
+    read whole once, as the LM head. From the safetensors headers, nothing loaded."""
+    sizes: dict[str, int] = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(path, name), "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            sizes.update((k, math.prod(v["shape"])) for k, v in header.items() if k != "__metadata__")
+    if "lm_head.weight" in sizes:
+        sizes.pop("model.embed_tokens.weight", None)
+    return sum(sizes.values()) * {"float32": 4, "bfloat16": 2}[dtype]
+
+
+def read_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
+    """The machine's memory read bandwidth in bytes/s: torch's sum over `mib` MiB of fp32 (far
+    past any L3) on `threads` threads, the best of `reps`."""
+    import torch
+    torch.set_num_threads(threads)
+    x = torch.ones(mib * 1024 ** 2 // 4)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum().item()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
 
 
 # ---- one engine's process -------------------------------------------------------------------
@@ -179,8 +256,13 @@ def drive(add, step, wl: dict) -> dict:
                            "despite ignore_eos")
     ttft = sorted(first.values())
     out = sum(len(t) for t in tokens.values())
+    # Decode rate: the tokens after each request's first, over the time after the last first token
+    # (for one stream: its decode alone, what the memory-bandwidth bound limits).
+    decode_s = wall - max(t_add[r] - t0 + first[r] for r in first)
     return dict(requests=len(tokens), prompt_tokens=sum(len(p) for p in wl["prompts"]), output_tokens=out,
-                wall_s=wall, output_tok_s=out / wall, cpu_s=cpu, cpu_ms_per_token=cpu / out * 1e3,
+                wall_s=wall, output_tok_s=out / wall,
+                decode_tok_s=(out - len(tokens)) / decode_s if decode_s > 0 else float("nan"),
+                cpu_s=cpu, cpu_ms_per_token=cpu / out * 1e3,
                 ttft_p50_s=quantile(ttft, 0.5),
                 ttft_p90_s=quantile(ttft, 0.9), cached_prompt_tokens=sum(cached.values()),
                 tokens=[tokens[f"{wl['name']}-{i}"] for i in range(len(tokens))])
@@ -262,6 +344,78 @@ def run_vllm(model: str, st: dict):
     return info, run, lambda: engine.engine_core.shutdown(timeout=10)
 
 
+def run_llamacpp(model: str, st: dict):
+    """llama.cpp through llama-cpp-python's Llama: one sequence at a time (its Python API decodes
+    one), so only the single-stream workload runs; generate() never stops at EOS by itself."""
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=model, n_ctx=st["max_model_len"], n_threads=st["threads"],
+                          n_threads_batch=st["threads"], seed=0, verbose=False)
+    params: dict = {}
+    live: dict = {}
+
+    def add(rid, prompt):
+        if live:
+            raise RuntimeError("llama.cpp's Llama decodes one sequence at a time")
+        p = params["wl"]
+        live.update(rid=rid, left=p["max_tokens"], gen=llm.generate(
+            prompt, temp=p["temperature"], top_p=p["top_p"], top_k=0, min_p=0.0, repeat_penalty=1.0))
+
+    def step():
+        rid, token = live["rid"], next(live["gen"])
+        live["left"] -= 1
+        if live["left"] == 0:
+            live.clear()
+        return [(rid, [token], not live, 0)]
+
+    def run(wl):
+        params["wl"] = wl
+        return drive(add, step, wl)
+    info = dict(engine="llama.cpp", version=llama_cpp.__version__, system_info=llama_cpp.llama_print_system_info()
+                .decode().strip(), n_ctx=llm.n_ctx(), n_batch=llm.n_batch, gguf=os.path.basename(model))
+    return info, run, lambda: None
+
+
+def convert_gguf(args) -> None:
+    """llama.cpp's own converter (convert_hf_to_gguf.py, vendored in llama-cpp-python's source
+    package) on our checkpoint, run in --llamacpp-python, with two changes that touch only the
+    tokenizer's metadata. (1) Our checkpoints have no sentencepiece model: say so as the converter
+    does when sentencepiece is installed (FileNotFoundError), without needing sentencepiece.
+    (2) It names a BPE tokenizer's pre-tokenizer by hashing the token ids of a test text, which a
+    random tokenizer's ids match for no known model: the family's is named here (--pre). Every
+    engine is fed token ids and never tokenizes, so neither changes anything measured."""
+    src = args.llamacpp_src
+    sys.path[:0] = [src, os.path.join(src, "gguf-py")]
+    sys.argv = ["convert_hf_to_gguf.py", args.spec, "--outtype", args.outtype, "--outfile", args.out]
+    converter = importlib.import_module("convert_hf_to_gguf")
+    from conversion.base import TextModel
+
+    def no_sentencepiece(self, *a, **kw):
+        raise FileNotFoundError(self.dir_model / "tokenizer.model")
+    TextModel._create_vocab_sentencepiece = no_sentencepiece
+    TextModel.get_vocab_base_pre = lambda self, tokenizer: args.pre
+    converter.main()
+
+
+def gguf_model(args, model_dir: str, model: str) -> str:
+    """The checkpoint as GGUF in the run's dtype, converted once into --cache-dir."""
+    out = os.path.join(args.cache_dir, "gguf", f"{os.path.basename(model_dir)}-{args.dtype}.gguf")
+    if os.path.exists(out):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    src = args.llamacpp_src
+    if not os.path.isfile(os.path.join(src, "convert_hf_to_gguf.py")):
+        raise SystemExit(f"--llamacpp-src: no convert_hf_to_gguf.py in {src} (see this script's docstring)")
+    pre = "qwen2" if MODELS[model][0] == "qwen2" else "llama-bpe"
+    cmd = [args.llamacpp_python, os.path.abspath(__file__), "--child", "convert", "--spec", model_dir,
+           "--out", out + ".part", "--outtype", {"float32": "f32", "bfloat16": "bf16"}[args.dtype], "--pre", pre,
+           "--llamacpp-src", src]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout, cwd=args.cache_dir)
+    if proc.returncode != 0:
+        raise SystemExit(f"GGUF conversion failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    os.replace(out + ".part", out)
+    return out
+
+
 def warm_up_workload() -> dict:
     return dict(name="warm-up", prompts=[list(range(FIRST_TOKEN, FIRST_TOKEN + 16))], max_tokens=4,
                 temperature=0.0, top_p=1.0)
@@ -272,12 +426,16 @@ def child(args) -> None:
     with open(args.spec) as f:
         spec = json.load(f)
     st = spec["settings"]
-    starter = run_vllm if args.child == "vllm" else run_pagoda
-    info, run, close = starter(spec["model"], st)
+    if args.child == "llamacpp":
+        info, run, close = run_llamacpp(spec["gguf"], st)
+    else:
+        info, run, close = (run_vllm if args.child == "vllm" else run_pagoda)(spec["model"], st)
     run(warm_up_workload())
     info["startup_s"] = time.time() - args.launched_at
     results = {}
     for wl in spec["workloads"]:
+        if args.child == "llamacpp" and len(wl["prompts"]) > 1:
+            continue    # run_llamacpp's docstring
         results[wl["name"]] = run(wl)
         print(f"# {info['engine']} {wl['name']}: {results[wl['name']]['output_tok_s']:,.0f} tok/s",
               file=sys.stderr, flush=True)
@@ -333,6 +491,9 @@ def launch(engine: str, args, spec_path: str, run_dir: str, n: int) -> dict:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)     # the budget is kv_cache_memory_bytes
         python = args.vllm_python
+    elif engine == "llamacpp":
+        env.pop("PYTHONPATH", None)
+        python = args.llamacpp_python
     else:
         python = sys.executable
     load_before = loadavg()
@@ -378,12 +539,34 @@ def spread(xs: list[float], fmt: str = "{:,.0f}") -> str:
     return med if len(xs) == 1 else f"{med} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
 
 
-def report(runs: dict[str, list[dict]], args, st: dict, wls: list[dict]) -> str:
+ENGINES = ("vllm", "pagoda", "llamacpp")
+NAMES = {"vllm": "vLLM", "pagoda": "pagoda", "llamacpp": "llama.cpp"}
+
+
+def pagoda_commit() -> str:
+    """The commit of pagoda that ran, with '+ local changes' when the work tree differs from it."""
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+    try:
+        sha = git("rev-parse", "--short", "HEAD")
+        return (sha + (" + local changes" if git("status", "--porcelain", "--untracked-files=no") else "")) or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def report(runs: dict[str, list[dict]], args, st: dict, wls: list[dict], machine_info: dict) -> str:
     from bench.common import command_line, lscpu_lines, machine, markdown_table, now
-    v, p = runs.get("vllm", []), runs.get("pagoda", [])
-    lines = [f"{now()} on {machine()}; `{command_line()}`", "", *lscpu_lines()]
+    v, p, ll = runs.get("vllm", []), runs.get("pagoda", []), runs.get("llamacpp", [])
+    present = [e for e in ENGINES if runs.get(e)]
+    bw, wb = machine_info["bandwidth"], machine_info["weight_bytes"]
+    bound = bw / wb
+    lines = [f"{now()} on {machine()}; `{command_line()}`", "", *lscpu_lines(),
+             f"- pagoda commit: {machine_info['commit']}"]
     if p:
         lines.append(f"- pagoda's CPU kernels: {p[0].get('kernels', '?')}")
+    lines.append(f"- memory read bandwidth: {bw / 1e9:.1f} GB/s (torch sum over 512 MiB of fp32, "
+                 f"{st['threads']} threads, best of 5); weights read per decoded token: {wb / 1e6:,.1f} MB "
+                 f"({st['dtype']}); single-stream bound = {bound:,.1f} tok/s")
     lines.append("")
     for name, rs in (("vLLM", v), ("pagoda", p)):
         if rs:
@@ -393,104 +576,138 @@ def report(runs: dict[str, list[dict]], args, st: dict, wls: list[dict]) -> str:
                          + (f", compile mode {r['compilation_mode']}, OpenMP bind {r['omp_threads_bind']}, "
                             f"compile cache warm at start: {[x['compile_cache_warm'] for x in rs]}"
                             if name == "vLLM" else f", torch threads {r['torch_threads']}"))
-    lines.append(f"- both: KV budget {st['kv_cache_bytes'] // 1024 ** 2} MiB, {st['threads']} threads, "
+    if ll:
+        r = ll[0]
+        lines.append(f"- llama.cpp through llama-cpp-python {r['version']}: {r['gguf']} made by its "
+                     f"convert_hf_to_gguf.py, n_ctx {r['n_ctx']}, n_batch {r['n_batch']}, one sequence at a "
+                     f"time (single stream only); {r['system_info']}")
+    lines.append(f"- settings: KV budget {st['kv_cache_bytes'] // 1024 ** 2} MiB, {st['threads']} threads, "
                  f"max_num_seqs {st['max_num_seqs']}, max_num_batched_tokens {st['max_num_batched_tokens']}, "
                  f"max_model_len {st['max_model_len']}, {st['dtype']}, prefix caching on, chunked prefill "
-                 f"and block size each engine's default; {len(p) or len(v)} round(s), order alternating "
-                 "(vLLM first in odd rounds)")
+                 f"and block size each engine's default; {len(p or v or ll)} round(s), engine order "
+                 f"{' -> '.join(NAMES[e] for e in present)} in odd rounds, reversed in even ones")
     lines.append("")
     rows = []
+    label = " / ".join(NAMES[e] for e in present)
+
+    def figures(rs, name, key):
+        return [r["workloads"][name][key] for r in rs if name in r["workloads"]]
     for wl in wls:
         name = wl["name"]
-        vt = [r["workloads"][name]["output_tok_s"] for r in v]
-        pt = [r["workloads"][name]["output_tok_s"] for r in p]
-        ratios = [b / a for a, b in zip(vt, pt)]
-        vc = [r["workloads"][name]["cpu_ms_per_token"] for r in v]
-        pc = [r["workloads"][name]["cpu_ms_per_token"] for r in p]
+        vt, pt, lt = (figures(rs, name, "output_tok_s") for rs in (v, p, ll))
+        vc, pc, lc = (figures(rs, name, "cpu_ms_per_token") for rs in (v, p, ll))
         row = [name, f"{len(wl['prompts'])} x {wl['max_tokens']}", spread(vt), spread(pt),
-               spread(ratios, "{:.2f}x"), spread(vc, "{:.2f}"), spread(pc, "{:.2f}"),
+               spread([b / a for a, b in zip(vt, pt)], "{:.2f}x"), spread(vc, "{:.2f}"), spread(pc, "{:.2f}"),
                spread([a / b for a, b in zip(vc, pc)], "{:.2f}x")]
+        if "llamacpp" in args.engines:
+            row += [spread(lt), spread([b / a for a, b in zip(lt, pt)], "{:.2f}x"), spread(lc, "{:.2f}")]
         for key in ("ttft_p50_s", "ttft_p90_s"):
-            row.append(" / ".join(spread([r["workloads"][name][key] * 1e3 for r in rs])
-                                  for rs in (v, p) if rs))
-        row.append(" / ".join(spread([r["workloads"][name]["cached_prompt_tokens"] for r in rs])
-                              for rs in (v, p) if rs))
-        if name in GREEDY and v and p:
-            agree = [agreement(a["workloads"][name]["tokens"], b["workloads"][name]["tokens"])
-                     for a, b in zip(v, p)]
-            row.append(f"{spread([x[0] * 100 for x in agree], '{:.0f}%')} / "
-                       f"{spread([x[1] * 100 for x in agree], '{:.1f}%')}")
-        else:
-            row.append("n/a")
+            row.append(" / ".join(spread([x * 1e3 for x in figures(runs[e], name, key)]) for e in present))
+        row.append(" / ".join(spread(figures(runs[e], name, "cached_prompt_tokens")) for e in present))
+        for other in (v, ll) if "llamacpp" in args.engines else (v,):
+            pairs = [(a["workloads"][name]["tokens"], b["workloads"][name]["tokens"]) for a, b in zip(other, p)
+                     if name in a["workloads"]]
+            if name in GREEDY and pairs:
+                agree = [agreement(a, b) for a, b in pairs]
+                row.append(f"{spread([x[0] * 100 for x in agree], '{:.0f}%')} / "
+                           f"{spread([x[1] * 100 for x in agree], '{:.1f}%')}")
+            else:
+                row.append("n/a")
         rows.append(row)
-    both = "vLLM / pagoda" if v and p else ("vLLM" if v else "pagoda")
-    lines.append(markdown_table(
-        ["workload", "requests x out", "vLLM tok/s", "pagoda tok/s", "pagoda / vLLM",
-         "vLLM CPU ms/token", "pagoda CPU ms/token", "CPU per token vLLM / pagoda",
-         f"TTFT p50 ms ({both})", f"TTFT p90 ms ({both})", f"prompt tokens from cache ({both})",
-         "greedy agreement: requests / tokens to 1st divergence"], rows))
+    headers = ["workload", "requests x out", "vLLM tok/s", "pagoda tok/s", "pagoda / vLLM",
+               "vLLM CPU ms/token", "pagoda CPU ms/token", "CPU per token vLLM / pagoda"]
+    if "llamacpp" in args.engines:
+        headers += ["llama.cpp tok/s", "pagoda / llama.cpp", "llama.cpp CPU ms/token"]
+    headers += [f"TTFT p50 ms ({label})", f"TTFT p90 ms ({label})", f"prompt tokens from cache ({label})",
+                "greedy agreement with vLLM: requests / tokens to 1st divergence"]
+    if "llamacpp" in args.engines:
+        headers.append("greedy agreement with llama.cpp")
+    lines.append(markdown_table(headers, rows))
+    if any(w["name"] == "single" for w in wls):
+        shares = [f"{NAMES[e]} {spread(figures(runs[e], 'single', 'decode_tok_s'), '{:,.1f}')} tok/s = "
+                  f"{spread([t / bound * 100 for t in figures(runs[e], 'single', 'decode_tok_s')], '{:.0f}%')}"
+                  for e in present]
+        lines += ["", f"Single stream's decode (tokens after the first, over the time after it) against the "
+                      f"bandwidth bound of {bound:,.1f} tok/s: {', '.join(shares)}"]
     lines.append("")
     lines.append(markdown_table(
         ["engine", "start-up s", "session wall s", "load average before -> after each run"],
-        [[n, spread([r["startup_s"] for r in rs], "{:.1f}"), spread([r["wall_s"] for r in rs], "{:.0f}"),
-          "; ".join(f"{r['load_before']} -> {r['load_after']}" for r in rs)]
-         for n, rs in (("vLLM", v), ("pagoda", p)) if rs]))
+        [[NAMES[e], spread([r["startup_s"] for r in runs[e]], "{:.1f}"), spread([r["wall_s"] for r in runs[e]], "{:.0f}"),
+          "; ".join(f"{r['load_before']} -> {r['load_after']}" for r in runs[e])] for e in present]))
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3, help="sessions of each engine, alternating (default 3)")
-    ap.add_argument("--engines", nargs="+", choices=("vllm", "pagoda"), default=["vllm", "pagoda"])
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=["vllm", "pagoda"],
+                    help="engines to run (default vllm pagoda; llamacpp runs the single stream only)")
+    ap.add_argument("--model", choices=("tiny", "qwen0.5b"), default="tiny",
+                    help="the random checkpoint and its workload sizes (module docstring; default tiny)")
     ap.add_argument("--quick", action="store_true", help="tiny model and sizes, one round: a smoke run")
     ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     ap.add_argument("--threads", type=int, default=2, help="threads for each engine (default 2)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="the model's dtype in both engines (default float32)")
+                    help="the model's dtype in every engine (default float32)")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM_PYTHON),
                     help=f"vLLM's interpreter (default $VLLM_PYTHON, else {DEFAULT_VLLM_PYTHON})")
+    ap.add_argument("--llamacpp-python", default=os.environ.get("LLAMACPP_PYTHON", DEFAULT_LLAMACPP_PYTHON),
+                    help=f"llama-cpp-python's interpreter (default $LLAMACPP_PYTHON, else {DEFAULT_LLAMACPP_PYTHON})")
+    ap.add_argument("--llamacpp-src", default=os.environ.get("LLAMACPP_SRC", DEFAULT_LLAMACPP_SRC),
+                    help="llama.cpp's source, for its convert_hf_to_gguf.py (default $LLAMACPP_SRC, else "
+                         f"{DEFAULT_LLAMACPP_SRC})")
     ap.add_argument("--cache-dir", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pagoda-bench", "vs_vllm"),
-        help="where the checkpoint and vLLM's compile cache are kept between runs")
+        help="where the checkpoints, GGUFs and vLLM's compile cache are kept between runs")
     ap.add_argument("--model-dir", help="the checkpoint (default: built under --cache-dir)")
     ap.add_argument("--json", help="write every run's figures and tokens here")
     ap.add_argument("--child-timeout", type=float, default=3600, help="seconds one engine session may take")
-    ap.add_argument("--child", choices=("vllm", "pagoda"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=ENGINES + ("convert",), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--outtype", help=argparse.SUPPRESS)
+    ap.add_argument("--pre", help=argparse.SUPPRESS)
     ap.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child == "convert":
+        return convert_gguf(args)
     if args.child:
         return child(args)
     if args.threads < 1:
         raise SystemExit("--threads: must be at least 1")
     if args.rounds < 1:
         raise SystemExit("--rounds: must be at least 1")
-    if "vllm" in args.engines and not os.access(args.vllm_python, os.X_OK):
-        raise SystemExit(f"--vllm-python: {args.vllm_python} is not an executable (see this script's docstring)")
+    if args.quick and args.model != "tiny":
+        raise SystemExit("--quick: runs its own tiny model; leave --model out")
+    for engine, flag, python in (("vllm", "--vllm-python", args.vllm_python),
+                                 ("llamacpp", "--llamacpp-python", args.llamacpp_python)):
+        if engine in args.engines and not os.access(python, os.X_OK):
+            raise SystemExit(f"{flag}: {python} is not an executable (see this script's docstring)")
     sys.path.insert(0, REPO)
     rounds = 1 if args.quick else args.rounds
-    model = args.model_dir or os.path.join(args.cache_dir, "model-quick" if args.quick else "model")
-    build_model(model, args.quick)
+    model = "quick" if args.quick else args.model
+    model_dir = os.path.abspath(args.model_dir or os.path.join(args.cache_dir, MODELS[model][3]))
+    build_model(model_dir, model)
+    gguf = gguf_model(args, model_dir, model) if "llamacpp" in args.engines else None
     st = settings(args.threads, args.dtype)
-    wls = [w for w in workloads(QUICK_VOCAB if args.quick else VOCAB, args.quick) if w["name"] in args.workloads]
-    runs: dict[str, list[dict]] = {e: [] for e in args.engines}
+    wls = [w for w in workloads(model) if w["name"] in args.workloads]
+    machine_info = dict(bandwidth=read_bandwidth(args.threads), weight_bytes=weight_bytes_per_token(model_dir, args.dtype),
+                        commit=pagoda_commit())
+    runs: dict[str, list[dict]] = {e: [] for e in ENGINES if e in args.engines}
     with tempfile.TemporaryDirectory(prefix="vs_vllm-") as run_dir:
         spec_path = os.path.join(run_dir, "spec.json")
         with open(spec_path, "w") as f:
-            json.dump(dict(model=os.path.abspath(model), settings=st, workloads=wls), f)
+            json.dump(dict(model=model_dir, gguf=gguf, settings=st, workloads=wls), f)
         n = 0
         for r in range(rounds):
-            order = ["vllm", "pagoda"] if r % 2 == 0 else ["pagoda", "vllm"]
-            for engine in order:
-                if engine in runs:
-                    runs[engine].append(launch(engine, args, spec_path, run_dir, n))
-                    n += 1
-    text = report(runs, args, st, wls)
+            for engine in list(runs) if r % 2 == 0 else reversed(list(runs)):
+                runs[engine].append(launch(engine, args, spec_path, run_dir, n))
+                n += 1
+    text = report(runs, args, st, wls, machine_info)
     print(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(settings=st, report=text, runs=runs,
+            json.dump(dict(settings=st, report=text, runs=runs, machine=machine_info,
                            workloads=[{k: v for k, v in w.items() if k != "prompts"} for w in wls]), f)
 
 

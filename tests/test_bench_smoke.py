@@ -119,6 +119,12 @@ def test_vs_vllm_pagoda_side(tmp_path):
     # The machine and what pagoda chose on it head the report.
     assert "- lscpu model name: " in out and "- lscpu flags: " in out
     assert "- pagoda's CPU kernels: C kernels built; PAGODA_CPU_GEMM=auto; linears: " in out
+    # The single stream against the memory-bandwidth bound (weights per token / read bandwidth).
+    machine = result["machine"]
+    assert machine["bandwidth"] > 1e8 and machine["weight_bytes"] > 0 and "pagoda commit: " in out
+    assert "- memory read bandwidth: " in out and "against the bandwidth bound of " in out
+    single = run["workloads"]["single"]
+    assert single["output_tok_s"] < single["decode_tok_s"] < float("inf")
 
 
 @pytest.mark.timeout(240)
@@ -147,6 +153,33 @@ def test_vs_vllm_tree_cpu_seconds():
     finally:
         child.kill()
         child.wait()
+
+
+def test_vs_vllm_weight_bytes(tmp_path):
+    """Weights read per decoded token: all but the input embedding, a tied one counted once as
+    the LM head; half as many bytes in bf16."""
+    sys.path.insert(0, REPO)
+    from bench.vs_vllm import weight_bytes_per_token
+    from pagoda.gpu_worker.testing.tiny_model import make_tiny_model
+    llama = make_tiny_model(str(tmp_path / "llama"), family="llama", num_hidden_layers=1)
+    qwen = make_tiny_model(str(tmp_path / "qwen"), family="qwen2", num_hidden_layers=1)
+    # hidden 64, intermediate 128, 4 heads / 2 KV heads of 16; vocab 1,024 and 640.
+    layer = 64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 128 + 2 * 64
+    assert weight_bytes_per_token(llama, "float32") == 4 * (layer + 64 + 1024 * 64)
+    assert weight_bytes_per_token(qwen, "float32") == 4 * (layer + 64 + 32 + 32 + 64 + 640 * 64)   # q/k/v bias
+    assert weight_bytes_per_token(qwen, "bfloat16") * 2 == weight_bytes_per_token(qwen, "float32")
+
+
+def test_vs_vllm_workloads():
+    """--model picks the workloads' sizes and vocabulary; the tiny model's stay those recorded."""
+    sys.path.insert(0, REPO)
+    from bench.vs_vllm import workloads
+    tiny, qwen = ({w["name"]: w for w in workloads(m)} for m in ("tiny", "qwen0.5b"))
+    assert [(len(w["prompts"]), w["max_tokens"]) for w in tiny.values()] == [(256, 128), (256, 128), (64, 128), (1, 256)]
+    assert [(len(w["prompts"]), w["max_tokens"]) for w in qwen.values()] == [(16, 32), (16, 32), (16, 32), (1, 64)]
+    assert max(t for p in tiny["greedy"]["prompts"] for t in p) < 8192
+    assert max(t for p in qwen["greedy"]["prompts"] for t in p) >= 8192    # Qwen's 151,936 ids
+    assert all(p[:512] == qwen["shared-prefix"]["prompts"][0][:512] for p in qwen["shared-prefix"]["prompts"])
 
 
 def test_vs_vllm_agreement():
