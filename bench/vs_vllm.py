@@ -61,8 +61,8 @@ directory (VLLM_CACHE_ROOT), and each vLLM run records whether that cache was wa
 llama.cpp (--engines ... llamacpp) runs through llama-cpp-python under --llamacpp-python
 (default $LLAMACPP_PYTHON, else /work/venvs/llamacpp/bin/python), built from the registry's
 source package for this CPU, and the GGUF (f32 or bf16, as --dtype) is made once per checkpoint
-by the converter vendored in that package (--llamacpp-src, its vendor/llama.cpp; convert_gguf
-says what is changed around it). Its Python API decodes one sequence at a time, so it runs the
+by the converter vendored in that package (--llamacpp-src, its vendor/llama.cpp), run in the
+bench's own interpreter (convert_gguf says what is changed around it). Its Python API decodes one sequence at a time, so it runs the
 single-stream workload only, greedy, fed the same token ids. To make that environment:
 
     python -m venv /work/venvs/llamacpp && mkdir -p /work/venvs/llamacpp-src
@@ -70,7 +70,6 @@ single-stream workload only, greedy, fed the same token ids. To make that enviro
     tar xzf /work/venvs/llamacpp-src/llama_cpp_python-0.3.36.tar.gz -C /work/venvs/llamacpp-src
     CMAKE_ARGS="-DGGML_NATIVE=ON" /work/venvs/llamacpp/bin/pip install \
         /work/venvs/llamacpp-src/llama_cpp_python-0.3.36.tar.gz
-    /work/venvs/llamacpp/bin/pip install torch numpy transformers pyyaml   # for the converter
 """
 from __future__ import annotations
 
@@ -377,7 +376,8 @@ def run_llamacpp(model: str, st: dict):
 
 def convert_gguf(args) -> None:
     """llama.cpp's own converter (convert_hf_to_gguf.py, vendored in llama-cpp-python's source
-    package) on our checkpoint, run in --llamacpp-python, with two changes that touch only the
+    package) on our checkpoint, run in this interpreter (pagoda's torch, numpy and transformers
+    are what it needs), with two changes that touch only the
     tokenizer's metadata. (1) Our checkpoints have no sentencepiece model: say so as the converter
     does when sentencepiece is installed (FileNotFoundError), without needing sentencepiece.
     (2) It names a BPE tokenizer's pre-tokenizer by hashing the token ids of a test text, which a
@@ -406,10 +406,13 @@ def gguf_model(args, model_dir: str, model: str) -> str:
     if not os.path.isfile(os.path.join(src, "convert_hf_to_gguf.py")):
         raise SystemExit(f"--llamacpp-src: no convert_hf_to_gguf.py in {src} (see this script's docstring)")
     pre = "qwen2" if MODELS[model][0] == "qwen2" else "llama-bpe"
-    cmd = [args.llamacpp_python, os.path.abspath(__file__), "--child", "convert", "--spec", model_dir,
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "convert", "--spec", model_dir,
            "--out", out + ".part", "--outtype", {"float32": "f32", "bfloat16": "bf16"}[args.dtype], "--pre", pre,
            "--llamacpp-src", src]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout, cwd=args.cache_dir)
+    # Not the repo on its path: transformers would take our `kernels` package for its own.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout, cwd=args.cache_dir,
+                          env=env)
     if proc.returncode != 0:
         raise SystemExit(f"GGUF conversion failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     os.replace(out + ".part", out)
