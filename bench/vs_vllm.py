@@ -347,8 +347,10 @@ def run_llamacpp(model: str, st: dict):
     """llama.cpp through llama-cpp-python's Llama: one sequence at a time (its Python API decodes
     one), so only the single-stream workload runs; generate() never stops at EOS by itself."""
     import llama_cpp
+    # Its KV cache in the run's dtype, as the other engines' (llama.cpp's default is f16).
+    kv_type = {"float32": llama_cpp.GGML_TYPE_F32, "bfloat16": 30}[st["dtype"]]     # ggml.h's GGML_TYPE_BF16
     llm = llama_cpp.Llama(model_path=model, n_ctx=st["max_model_len"], n_threads=st["threads"],
-                          n_threads_batch=st["threads"], seed=0, verbose=False)
+                          n_threads_batch=st["threads"], seed=0, verbose=False, type_k=kv_type, type_v=kv_type)
     params: dict = {}
     live: dict = {}
 
@@ -370,7 +372,8 @@ def run_llamacpp(model: str, st: dict):
         params["wl"] = wl
         return drive(add, step, wl)
     info = dict(engine="llama.cpp", version=llama_cpp.__version__, system_info=llama_cpp.llama_print_system_info()
-                .decode().strip(), n_ctx=llm.n_ctx(), n_batch=llm.n_batch, gguf=os.path.basename(model))
+                .decode().strip(), n_ctx=llm.n_ctx(), n_batch=llm.n_batch, gguf=os.path.basename(model),
+                kv_cache_dtype=st["dtype"])
     return info, run, lambda: None
 
 
@@ -582,8 +585,8 @@ def report(runs: dict[str, list[dict]], args, st: dict, wls: list[dict], machine
     if ll:
         r = ll[0]
         lines.append(f"- llama.cpp through llama-cpp-python {r['version']}: {r['gguf']} made by its "
-                     f"convert_hf_to_gguf.py, n_ctx {r['n_ctx']}, n_batch {r['n_batch']}, one sequence at a "
-                     f"time (single stream only); {r['system_info']}")
+                     f"convert_hf_to_gguf.py, KV cache {r['kv_cache_dtype']}, n_ctx {r['n_ctx']}, n_batch {r['n_batch']}, "
+                     f"one sequence at a time (single stream only); {r['system_info']}")
     lines.append(f"- settings: KV budget {st['kv_cache_bytes'] // 1024 ** 2} MiB, {st['threads']} threads, "
                  f"max_num_seqs {st['max_num_seqs']}, max_num_batched_tokens {st['max_num_batched_tokens']}, "
                  f"max_model_len {st['max_model_len']}, {st['dtype']}, prefix caching on, chunked prefill "
