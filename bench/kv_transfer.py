@@ -11,6 +11,9 @@ the length where straight lines fitted to each curve cross (below it recompute i
 
     python bench/kv_transfer.py           # the recorded run: the tiny Llama, prefixes 64 to 4096
     python bench/kv_transfer.py --quick   # smoke run
+    python bench/kv_transfer.py --busy 4  # both workers decoding 4 other streams meanwhile
+
+The fetch time per MiB is the target's own log of each fetch (planning, transfer and naming).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,6 +82,32 @@ def ttft(stub, prompt: list[int], source: str | None) -> tuple[float, int]:
     return first, cached
 
 
+def keep_busy(address: str, streams: int, stop: threading.Event, rng: random.Random) -> list[threading.Thread]:
+    """`streams` threads, each decoding one long request after another on `address` until `stop`."""
+    def loop(seed: int) -> None:
+        r = random.Random(seed)
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(address))
+        while not stop.is_set():
+            req = pb.GenerateRequest(token_ids=[r.randrange(5, 600) for _ in range(32)],
+                                     sampling=pb.SamplingParams(temperature=0.0, max_tokens=64))
+            for _ in stub.Generate(req, timeout=120):
+                if stop.is_set():
+                    break
+    threads = [threading.Thread(target=loop, args=(rng.random(),), daemon=True) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def fetch_ms_per_mib(log_path: str, block_bytes: int) -> float:
+    """The target's logged fetches ("kv fetch from ...: N of M blocks in T ms"): ms per MiB moved."""
+    ms = mib = 0.0
+    for n, t in re.findall(r"kv fetch from \S+: (\d+) of \d+ blocks in ([\d.]+) ms", open(log_path).read()):
+        if int(n):
+            ms, mib = ms + float(t), mib + int(n) * block_bytes / 2 ** 20
+    return ms / mib if mib else float("nan")
+
+
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares (intercept, slope)."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -90,6 +120,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,128,256,512,1024,2048,4096", help="prefix lengths in tokens")
     ap.add_argument("--reps", type=int, default=5, help="prompts per length and mode")
     ap.add_argument("--model-dir", default=None, help="checkpoint to use (default: the tiny Llama, built)")
+    ap.add_argument("--busy", type=int, default=0, help="other streams each worker decodes meanwhile")
     ap.add_argument("--quick", action="store_true", help="smoke run: lengths 64,256, 1 rep")
     a = ap.parse_args()
     lengths = [64, 256] if a.quick else [int(x) for x in a.lengths.split(",")]
@@ -114,6 +145,9 @@ def main() -> None:
             ttft(a_stub, p, None)
             ttft(b_stub, p, src)
             ttft(b_stub, [rng.randrange(5, 600) for _ in range(64 + SUFFIX)], None)
+        stop = threading.Event()
+        busy = keep_busy(src, a.busy, stop, rng) + keep_busy(dst, a.busy, stop, rng)
+        time.sleep(1.0 if a.busy else 0.0)
         rows, fetch_ms, recompute_ms = [], [], []
         for n in lengths:
             got: dict[str, list[float]] = {"fetch": [], "recompute": []}
@@ -129,8 +163,15 @@ def main() -> None:
             fetch_ms.append(f)
             recompute_ms.append(r)
             rows.append([n, n // BLOCK, f, r, r / f])
+        stop.set()
+        for t in busy:
+            t.join(30)
         print(f"{now()}; {machine()}")
         print(f"command: {command_line()}")
+        kv_block = 2 * TINY["num_hidden_layers"] * TINY["num_key_value_heads"] * BLOCK * \
+            (TINY["hidden_size"] // TINY["num_attention_heads"]) * 4        # float32 pool
+        print(f"busy streams per worker: {a.busy}; target's fetch time: "
+              f"{fetch_ms_per_mib(os.path.join(tmp, 'target.log'), kv_block):.0f} ms per MiB (all fetches, warm-up incl.)")
         print(markdown_table(["prefix tokens", "blocks", "fetch TTFT ms (median)", "recompute TTFT ms (median)",
                               "recompute / fetch"], rows))
         (a1, b1), (a2, b2) = fit(lengths, fetch_ms), fit(lengths, recompute_ms)

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from pagoda.gpu_worker.serving.kv_transfer import FAULT_ENV, WRITE_WINDOW
+from pagoda.gpu_worker.serving.kv_transfer import FAULT_ENV, PACK_BYTES, WRITE_BYTES
 from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb
 from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc
 from pagoda.runtime.security import TENANT_HEADER
@@ -134,10 +134,10 @@ def test_a_wrong_key_is_refused_and_the_request_recomputes(start_worker, tiny_mo
 @pytest.mark.parametrize("fault", ["corrupt", "truncate", "die"])
 def test_a_broken_transfer_falls_back_to_recompute(start_worker, tiny_model, keys, reference, fault):
     """The source spoils block 3 of 6. A corrupt block or a broken call drops the window being
-    received (blocks are written a window of WRITE_WINDOW at a time), so B keeps none; a stream that
-    simply ends keeps the three blocks that arrived whole and verified. B recomputes the rest and
-    gets the same tokens."""
-    assert WRITE_WINDOW > 3
+    received (blocks are written WRITE_BYTES at a time, and the six travel in one pack), so B keeps
+    none; a stream that simply ends keeps the three blocks that arrived whole and verified. B
+    recomputes the rest and gets the same tokens."""
+    assert min(WRITE_BYTES, PACK_BYTES) >= 6 * (8 << 10)     # the tiny Llama's blocks are 8 KiB
     a = start(start_worker, tiny_model, keys, env={FAULT_ENV: f"{fault}:3"})
     generate(a.address)
     b = start(start_worker, tiny_model, keys)

@@ -1,8 +1,9 @@
 """KV that moves: one worker serves a run of its cached blocks by hash, another pulls them into its
 own pool and names them in its prefix cache as if it had computed them (DESIGN.md, round four).
 
-Transport: Admin.FetchKVBlocks, a gRPC server-streaming call on the worker's own server, one
-block per message (K then V of every layer, raw, in the pool's dtype). What was tried first
+Transport: Admin.FetchKVBlocks, a gRPC server-streaming call on the worker's own server; each
+message a pack of consecutive blocks up to PACK_BYTES (K then V of every layer, raw, in the pool's
+dtype; one block when a block is bigger). What was tried first
 (2026-12, this CPU host, torch 2.13+cpu, `pip install --dry-run` then `--target` a scratch folder):
 - mooncake-transfer-engine 0.3.13.post1 resolves, but its module fails to import without CUDA
   (`libcudart.so.12: cannot open shared object file`); its -non-cuda build fails without RDMA
@@ -30,7 +31,11 @@ unnamed. Any failure (refused, deadline, source gone, truncated, corrupt) ends t
 request then prefills whatever is not cached, as it would have without a hint.
 
 One writer: the network side runs on the event loop; every pool change (reserve, write, name,
-free) is a typed command below, run on the engine thread through AsyncLLM.call.
+free) is a typed command below, run on the engine thread through AsyncLLM.call. Each command waits
+for the engine's step in progress, so on a busy worker a fetch costs about one step per command:
+the commands are few (the source: one export per EXPORT_BYTES; the receiver: a plan, one write per
+WRITE_BYTES, the last one together with the naming) and each side asks for the next export or write
+while the network moves the one before.
 """
 from __future__ import annotations
 
@@ -59,9 +64,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _PERSON = b"pagoda-kvxfer"
-EXPORT_WINDOW = 32          # blocks copied out per engine turn: bounds the source's staging memory
-WRITE_WINDOW = 32           # blocks written in per engine command on the receiver
-# Test hook (source side): "corrupt:N", "truncate:N" or "die:N" spoils the stream at block N.
+EXPORT_BYTES = 64 << 20     # copied out per engine command (at least a block): the source's staging bound
+WRITE_BYTES = 64 << 20      # written in per engine command (at least a block), on the receiver
+PACK_BYTES = 1 << 20        # blocks per message: under gRPC's 4 MiB default message bound
+# Test hook (source side): "corrupt:N", "truncate:N" or "die:N" spoils the stream at block N;
+# "overpack:N" sends the first message with one block more than PACK_BYTES allows.
 FAULT_ENV = "PAGODA_KV_TRANSFER_FAULT"
 
 
@@ -84,6 +91,11 @@ def block_bytes(layout: pb.KVLayout) -> int:
         torch.empty(0, dtype=getattr(torch, layout.dtype)).element_size()
 
 
+def blocks_within(nbytes: int, per_block: int) -> int:
+    """How many blocks a bound of `nbytes` takes: at least one, so that any block can move."""
+    return max(1, nbytes // per_block)
+
+
 def transfer_block_bytes(engine: LLMEngine) -> int:
     """Engine command: block_bytes of this worker's pool, 0 when it can neither serve nor take
     fetches (what its lease says, so that routers never hint it either way)."""
@@ -103,23 +115,44 @@ def _transferable(engine: LLMEngine) -> bool:
 
 @dataclass(frozen=True)
 class ExportBlocks:
-    """Source: the leading blocks of `hashes` its device cache holds, copied out (so the engine
-    may evict or overwrite them the moment this returns), as uint8 [n, bytes per block]."""
+    """Source: the leading blocks of `hashes` its device cache holds, at most max_bytes of them
+    (at least one), copied out (so the engine may evict or overwrite them the moment this
+    returns), as uint8 [n, bytes per block], with the pool's layout (num_blocks: n). None when
+    this worker cannot export (tensor parallel, or prefix caching off)."""
     hashes: tuple[bytes, ...]
+    max_bytes: int = EXPORT_BYTES
 
-    def __call__(self, engine: LLMEngine) -> tuple[int, torch.Tensor]:
+    def __call__(self, engine: LLMEngine) -> Optional[tuple[pb.KVLayout, torch.Tensor]]:
+        if not _transferable(engine):
+            return None
         pool = engine.kv.pool
         ids = []
-        for h in self.hashes:
+        for h in self.hashes[:blocks_within(self.max_bytes, block_bytes(layout_of(engine)))]:
             b = pool.get_cached_block(h)
             if b is None:
                 break
             ids.append(b.block_id)
-        if not ids:
-            return 0, torch.empty(0, 0, dtype=torch.uint8)
-        d = torch.tensor(ids, dtype=torch.int64, device=engine.runner.device)
-        staging = torch.stack([t.index_select(0, d) for t in _stores(engine)], dim=1).cpu().contiguous()
-        return len(ids), staging.view(torch.uint8).reshape(len(ids), -1)
+        return layout_of(engine, len(ids)), export_blocks(_stores(engine), ids)
+
+
+def export_blocks(stores: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """Blocks `block_ids` of a pool (one [blocks, heads, block_size, head_dim] tensor per layer and
+    K/V, on any device) copied to host memory: uint8 [n, bytes per block], K then V of every layer."""
+    if not block_ids:
+        return torch.empty(0, 0, dtype=torch.uint8)
+    d = torch.tensor(block_ids, dtype=torch.int64, device=stores[0].device)
+    staging = torch.stack([t.index_select(0, d) for t in stores], dim=1).cpu().contiguous()
+    return staging.view(torch.uint8).reshape(len(block_ids), -1)
+
+
+def import_blocks(stores: list[torch.Tensor], block_ids: tuple[int, ...], data: torch.Tensor) -> None:
+    """export_blocks' bytes (uint8 [n, bytes per block], host memory) into blocks `block_ids`."""
+    t0 = stores[0]
+    shape = (len(block_ids), len(stores), *t0.shape[1:])
+    staging = data.view(t0.dtype).reshape(shape).to(t0.device)
+    d = torch.tensor(block_ids, dtype=torch.int64, device=t0.device)
+    for j, t in enumerate(stores):
+        t.index_copy_(0, d, staging[:, j])
 
 
 @dataclass
@@ -178,28 +211,28 @@ class WriteBlocks:
     data: torch.Tensor
 
     def __call__(self, engine: LLMEngine) -> None:
-        stores = _stores(engine)
-        r = engine.runner
-        shape = (len(self.block_ids), len(stores), r.num_kv_heads, engine.block_size, r.head_dim)
-        staging = self.data.view(stores[0].dtype).reshape(shape).to(r.device)
-        d = torch.tensor(self.block_ids, dtype=torch.int64, device=r.device)
-        for j, t in enumerate(stores):
-            t.index_copy_(0, d, staging[:, j])
+        import_blocks(_stores(engine), self.block_ids, self.data)
 
 
 @dataclass(frozen=True)
 class FinishImport:
-    """Receiver: name the first `num_ok` quarantined blocks by their hashes (written whole and
-    verified, in chain order), then let every block of the plan go: the named ones stay in the
-    prefix cache (LRU, tail first), the others return unnamed."""
+    """Receiver: write `last` (the fetch's last verified blocks, in the same engine turn), name the
+    first `num_ok` quarantined blocks by their hashes (written whole and verified, in chain order),
+    then let every block of the plan go: the named ones stay in the prefix cache (LRU, tail
+    first), the others return unnamed."""
     plan: ImportPlan
     num_ok: int
+    last: Optional[WriteBlocks] = None
 
     def __call__(self, engine: LLMEngine) -> None:
         pool, p = engine.kv.pool, self.plan
-        if self.num_ok:
-            pool.cache_full_blocks(p.blocks, p.missing, 0, self.num_ok)
-        pool.free_blocks(reversed(p.held + p.blocks))
+        try:
+            if self.last is not None:
+                self.last(engine)
+            if self.num_ok:
+                pool.cache_full_blocks(p.blocks, p.missing, 0, self.num_ok)
+        finally:
+            pool.free_blocks(reversed(p.held + p.blocks))
 
 
 # ---- both sides: what moved, for the metrics (gpu_worker/serving/metrics.py reads it at scrape time)
@@ -261,35 +294,74 @@ async def serve_fetch(engine: EngineClient, model_name: str, request: pb.FetchKV
                          f"block_hashes: at most {max_blocks} blocks a fetch (got {len(hashes)})")
         if any(len(h) != 16 for h in hashes):
             await refuse(grpc.StatusCode.INVALID_ARGUMENT, "block_hashes: each must be 16 bytes")
-        if not await engine.call(_transferable):
-            await refuse(grpc.StatusCode.FAILED_PRECONDITION, "this worker cannot export KV blocks "
-                         "(tensor parallel, or prefix caching off)")
         fault, fault_at = _fault()
+        export: asyncio.Future = _spawn(engine.call(ExportBlocks(tuple(hashes))))
         first = True
-        while sent < len(hashes):
-            n, data = await engine.call(ExportBlocks(tuple(hashes[sent:sent + EXPORT_WINDOW])))
+        while True:
+            got = await export
+            if got is None:
+                await refuse(grpc.StatusCode.FAILED_PRECONDITION, "this worker cannot export KV blocks "
+                             "(tensor parallel, or prefix caching off)")
+            layout, data = got
             if first:
-                # The count is a promise only for the first window: later ones may have been evicted.
-                yield pb.FetchKVBlocksResponse(layout=await engine.call(lambda e: layout_of(e, n)))
+                # The count is a promise only for the first export: later ones may have been evicted.
+                yield pb.FetchKVBlocksResponse(layout=layout)
                 first = False
+            per_block, n, start = block_bytes(layout), len(data), sent
+            more = n == blocks_within(EXPORT_BYTES, per_block) and start + n < len(hashes)
+            if more:        # the engine copies the next window out while this one goes
+                export = _spawn(engine.call(ExportBlocks(tuple(hashes[start + n:]))))
+            per_pack, pack = blocks_within(PACK_BYTES, per_block), []
             for i in range(n):
-                h, kv = hashes[sent], data[i].numpy().tobytes()
+                h, kv = hashes[start + i], data[i].numpy().tobytes()
                 digest = block_digest(h, kv)
-                if sent == fault_at:
+                if start + i == fault_at:
                     if fault == "truncate":
-                        failure = ""
-                        return
+                        break
                     if fault == "die":
                         os._exit(17)
                     if fault == "corrupt":
                         kv = bytes([kv[0] ^ 0xFF]) + kv[1:]
-                yield pb.FetchKVBlocksResponse(block_hash=h, kv=kv, digest=digest)
-                sent, nbytes = sent + 1, nbytes + len(kv)
-            if n < min(EXPORT_WINDOW, len(hashes) - (sent - n)):
-                break                                   # the chain ends here on this worker
+                pack.append(pb.KVBlock(block_hash=h, kv=kv, digest=digest))
+                if len(pack) == per_pack or i == n - 1:
+                    yield pb.FetchKVBlocksResponse(blocks=pack)
+                    sent, nbytes, pack = sent + len(pack), nbytes + len(pack) * per_block, []
+            if pack:        # (a truncating fault's blocks before it)
+                yield pb.FetchKVBlocksResponse(blocks=pack)
+                sent, nbytes = sent + len(pack), nbytes + len(pack) * per_block
+            if fault == "truncate" and sent == fault_at or not more:
+                break
         failure = ""
     finally:
         tally.add(sent, nbytes, time.monotonic() - t0, failure)
+
+
+def _spawn(coro) -> asyncio.Future:
+    """An engine call run as a task, so that the caller may go on meanwhile; one left behind (the
+    call ended) finishes on its own, its outcome dropped."""
+    fut = asyncio.ensure_future(coro)
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
+
+
+def unpack(msg: pb.FetchKVBlocksResponse, want: list[bytes], got: int, per_block: int) -> list[bytes]:
+    """The bytes of the blocks one message carries (a pack, or one block in the message's own
+    fields), each checked: it must be the next hash of `want` after the `got` already received,
+    its size the layout's and its digest right; at most PACK_BYTES of them (one block at least)."""
+    blocks = list(msg.blocks) if msg.blocks else [msg] if msg.block_hash else []
+    limit = blocks_within(PACK_BYTES, per_block)
+    if len(blocks) > limit:
+        raise FetchError(f"a message of {len(blocks)} blocks: at most {limit} of {per_block} bytes "
+                         f"({PACK_BYTES} bytes) a message", "pack")
+    out: list[bytes] = []
+    for b in blocks:
+        k = got + len(out)
+        if k >= len(want) or b.block_hash != want[k]:
+            raise FetchError(f"block {k}: not the next hash of the request's chain", "chain")
+        if len(b.kv) != per_block or block_digest(b.block_hash, b.kv) != b.digest:
+            raise FetchError(f"block {k}: its bytes do not match its digest", "digest")
+        out.append(b.kv)
+    return out
 
 
 # ---- receiver side (event loop) -----------------------------------------------------------------
@@ -339,20 +411,24 @@ class KVFetcher:
             return 0
         if plan is None:
             return 0
-        num_ok, failure = 0, "cancelled"
+        num_ok, failure, last = 0, "cancelled", None
         try:
-            num_ok = await asyncio.wait_for(self._pull(engine, hint.source_address, plan), self.timeout_s)
+            num_ok, last = await asyncio.wait_for(self._pull(engine, hint.source_address, plan), self.timeout_s)
             failure = ""
         except Exception as e:      # whatever broke (refused, deadline, bytes): recompute instead
-            num_ok = getattr(e, "num_ok", 0)
+            num_ok, last = getattr(e, "num_ok", 0), getattr(e, "last", None)
             failure = e.reason if isinstance(e, FetchError) else \
                 "deadline" if isinstance(e, asyncio.TimeoutError) else "error"
             log.warning("kv fetch from %s: %s; recomputing from block %d", hint.source_address,
                         _describe(e), len(plan.held) + num_ok)
         finally:
             # Queued at once (AsyncLLM.call puts the command before it awaits), so the blocks go
-            # back even when this call is cancelled here.
-            await asyncio.shield(engine.call(FinishImport(plan, num_ok)))
+            # back even when this call is cancelled here; after any write still queued (one queue).
+            try:
+                await asyncio.shield(engine.call(FinishImport(plan, num_ok, last)))
+            except Exception as e:      # the last write failed: nothing named, every block freed
+                num_ok, failure = 0, "error"
+                log.warning("kv fetch from %s: %s; recomputing", hint.source_address, _describe(e))
             seconds, nbytes = time.monotonic() - t0, num_ok * block_bytes(plan.layout)
             self.fetched.add(num_ok, nbytes, seconds, failure)
             if not failure:
@@ -361,23 +437,30 @@ class KVFetcher:
                  len(plan.missing), 1000 * seconds)
         return num_ok
 
-    async def _pull(self, engine: EngineClient, address: str, plan: ImportPlan) -> int:
-        """Verified blocks written into plan.blocks, in order; FetchError (with num_ok, the blocks
-        written before it) on anything else."""
+    async def _pull(self, engine: EngineClient, address: str, plan: ImportPlan) -> tuple[int, Optional[WriteBlocks]]:
+        """Verified blocks into plan.blocks, in order: (how many, the last of them not written yet,
+        for FinishImport to write); FetchError (with num_ok, the blocks written before it) on
+        anything else. A write goes to the engine every WRITE_BYTES, while the next ones arrive."""
         mine = plan.layout
         per_block = block_bytes(mine)
+        window = blocks_within(WRITE_BYTES, per_block)
         call = self._stub(address).FetchKVBlocks(
             pb.FetchKVBlocksRequest(model=self.model_name, block_hashes=plan.missing), metadata=self.metadata)
         got, written = 0, 0
         buf: list[bytes] = []
+        writing: Optional[tuple[asyncio.Future, int]] = None      # the write in flight, its blocks
 
-        async def flush() -> None:
-            nonlocal written
+        async def settle() -> None:
+            nonlocal writing, written
+            if writing is not None:
+                await writing[0]
+                written, writing = written + writing[1], None
+
+        def take() -> WriteBlocks:
             data = torch.frombuffer(bytearray(b"".join(buf)), dtype=torch.uint8).reshape(len(buf), per_block)
             ids = tuple(b.block_id for b in plan.blocks[written:written + len(buf)])
-            await engine.call(WriteBlocks(ids, data))
-            written += len(buf)
             buf.clear()
+            return WriteBlocks(ids, data)
 
         try:
             first = True
@@ -390,23 +473,25 @@ class KVFetcher:
                         raise FetchError(f"layout differs: theirs {msg.layout}, mine {mine}", "layout")
                     first = False
                     continue
-                if got >= len(plan.missing) or msg.block_hash != plan.missing[got]:
-                    raise FetchError(f"block {got}: not the next hash of the request's chain", "chain")
-                if len(msg.kv) != per_block or block_digest(msg.block_hash, msg.kv) != msg.digest:
-                    raise FetchError(f"block {got}: its bytes do not match its digest", "digest")
-                buf.append(msg.kv)
-                got += 1
-                if len(buf) == WRITE_WINDOW:
-                    await flush()
-            if buf:
-                await flush()
-            if got < len(plan.missing):
-                raise FetchError(f"the source sent {got} of {len(plan.missing)} blocks", "truncated")
-            return written
+                kvs = unpack(msg, plan.missing, got, per_block)
+                buf += kvs
+                got += len(kvs)
+                if len(buf) >= window:
+                    await settle()
+                    n = len(buf)
+                    writing = (_spawn(engine.call(take())), n)
+            await settle()
+            num_ok, last = written + len(buf), take() if buf else None
+            if got < len(plan.missing):     # what arrived whole and verified is kept
+                err = FetchError(f"the source sent {got} of {len(plan.missing)} blocks", "truncated")
+                err.num_ok, err.last = num_ok, last        # type: ignore[attr-defined]
+                raise err
+            return num_ok, last
         except BaseException as e:
             call.cancel()
-            if isinstance(e, (FetchError, grpc.RpcError)):
-                # Only blocks written before the failure count (a partial window is dropped).
+            if isinstance(e, grpc.RpcError) or isinstance(e, FetchError) and not hasattr(e, "num_ok"):
+                # Only blocks written before the failure count (what was in flight or buffered is
+                # dropped; FinishImport, queued after it, frees those blocks unnamed).
                 err = e if isinstance(e, FetchError) else FetchError(_describe(e), _rpc_reason(e))
                 err.num_ok = written          # type: ignore[attr-defined]
                 raise err from None

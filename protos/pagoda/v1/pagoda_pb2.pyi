@@ -341,14 +341,26 @@ class KVLayout(_message.Message):
     num_blocks: int
     def __init__(self, block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
+class KVBlock(_message.Message):
+    __slots__ = ("block_hash", "kv", "digest")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    kv: bytes
+    digest: bytes
+    def __init__(self, block_hash: _Optional[bytes] = ..., kv: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
 class FetchKVBlocksResponse(_message.Message):
-    __slots__ = ("layout", "block_hash", "kv", "digest")
+    __slots__ = ("layout", "block_hash", "kv", "digest", "blocks")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     block_hash: bytes
     kv: bytes
     digest: bytes
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hash: _Optional[bytes] = ..., kv: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    blocks: _containers.RepeatedCompositeFieldContainer[KVBlock]
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hash: _Optional[bytes] = ..., kv: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[KVBlock, _Mapping]]] = ...) -> None: ...
