@@ -2,7 +2,7 @@
 # The GPU check of issue 11, in one run of at most 8 minutes on one H200 (the parts' limits add up
 # to 480 s, under the device's 600 s a command and leaving room in its 15-minute budget), installing nothing:
 #   1. the GPU tests (and the CPU twins beside them, which must pass on a GPU host too),
-#   2. python bench/gpu_kernels.py --quick (decode attention vs the 4.3 TB/s bound, fused ops),
+#   2. python bench/gpu_kernels.py --quick, 38 s of budget (decode attention vs the 4.3 TB/s bound, fused ops),
 #   3. bench/gpu_e2e.py: random bf16 Llama-3.2-1B and Llama-3-8B shapes at batch 1, 64, 256,
 #      CUDA graphs against --enforce-eager: tok/s, decode step, forward/host split, bound share.
 #   4. bench/quant.py --gpu: a Llama-3-8B layer's linears in bf16, fp8 (torch._scaled_mm) and
@@ -14,6 +14,9 @@
 #   6. bench/kv_tier.py --gpu: TTFT of 8 tenants' 2k-token prompts through a device pool half their
 #      size, with and without the pinned host KV tier (kv_tier.md); the tier's CUDA twin
 #      (tests/test_kv_tier.py::test_cuda_copy_path_matches_the_cpu_twin) runs in part 1.
+#   7. bench/kv_copy.py: a KV fetch's copies (issue 36) on CUDA: N Llama-3-8B-shaped bf16 blocks
+#      exported from a device pool to bytes with digests and imported into another pool, per MiB;
+#      their CUDA test (tests/test_kv_transfer_copy.py, beside its CPU twin) runs in part 1.
 # Everything lands under $OUT (default ./gpu_check_out): one log per part, summary.txt, e2e.md,
 # kernels.md. Each part has its own time limit, so one that hangs cannot eat the others' time.
 #
@@ -21,7 +24,7 @@
 # (which the sampler imports) travel with the tree: on a CPU host run
 #   bench/gpu_check.sh --vendor        # copies them from this Python into .gpu_vendor/
 # and carry .gpu_vendor to the GPU host. --dry-run prints the plan and runs the CPU-runnable
-# parts (the e2e harness and the quant layer bench at tiny shapes) so the script itself is
+# parts (the e2e harness, the quant layer bench and the KV copies at tiny shapes) so the script itself is
 # checked without a GPU.
 set -u
 cd "$(dirname "$0")/.."
@@ -61,7 +64,7 @@ part() {
     local name=$1 limit=$2
     shift 2
     echo "== $name (limit ${limit}s): $*" | tee -a "$SUMMARY"
-    if [ $DRY = 1 ] && [ "$name" != e2e ] && [ "$name" != quant ]; then
+    if [ $DRY = 1 ] && [ "$name" != e2e ] && [ "$name" != quant ] && [ "$name" != kv_copy ]; then
         return 0
     fi
     local t0=$SECONDS
@@ -76,14 +79,15 @@ GPU_TESTS="tests/test_kernels.py tests/test_kernels_norm.py tests/test_kernels_l
            tests/test_spec_decode.py::test_speculation_on_cuda_matches_plain
            tests/test_quant_kernels.py tests/test_kv_tier.py::test_cuda_copy_path_matches_the_cpu_twin
            tests/test_beam_search.py::test_beam_search_on_cuda_matches_cpu tests/test_beam_search.py::test_copy_blocks_cpu
-           tests/test_kernels_lora.py tests/test_lora.py::test_lora_on_cuda_matches_the_merged_models"
+           tests/test_kernels_lora.py tests/test_lora.py::test_lora_on_cuda_matches_the_merged_models
+           tests/test_kv_transfer_copy.py"
 if [ $DRY = 0 ]; then
     { nvidia-smi; "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"; } \
         > "$OUT/machine.txt" 2>&1
 fi
 # shellcheck disable=SC2086
 part gpu_tests 170 "$PY" -m pytest -q -rs -p no:cacheprovider $GPU_TESTS
-part kernels 70 "$PY" bench/gpu_kernels.py --quick --no-flex --budget-s 55 --out "$OUT/kernels.md"
+part kernels 50 "$PY" bench/gpu_kernels.py --quick --no-flex --budget-s 38 --out "$OUT/kernels.md"
 if [ $DRY = 1 ]; then
     part e2e 120 "$PY" bench/gpu_e2e.py --dry-run --out "$OUT"
 else
@@ -96,4 +100,9 @@ else
 fi
 part lora 30 "$PY" bench/lora.py --gpu --out "$OUT/lora.md"
 part kv_tier 45 "$PY" bench/kv_tier.py --gpu --rounds 2 --prefix-len 2048 --out "$OUT/kv_tier.md" --json "$OUT/kv_tier.json"
+if [ $DRY = 1 ]; then
+    part kv_copy 60 "$PY" bench/kv_copy.py --dry-run --out "$OUT/kv_copy.md"
+else
+    part kv_copy 20 "$PY" bench/kv_copy.py --device cuda --reps 2 --out "$OUT/kv_copy.md"
+fi
 echo "done: $OUT" | tee -a "$SUMMARY"

@@ -14,9 +14,11 @@ def test_dry_run_plans_every_part_and_runs_the_harness(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    for part in ("gpu_tests", "kernels", "e2e", "quant", "lora", "kv_tier"):
+    for part in ("gpu_tests", "kernels", "e2e", "quant", "lora", "kv_tier", "kv_copy"):
         assert f"== {part}" in summary
     assert "e2e: rc=0" in summary, summary
+    assert "kv_copy: rc=0" in summary, summary
+    assert "| 16 | " in (tmp_path / "kv_copy.md").read_text()
     assert "quant: rc=0" in summary, summary
     assert "| qkv (256 x 128) | 16 |" in (tmp_path / "quant.md").read_text()
     table = (tmp_path / "e2e.md").read_text()
@@ -41,5 +43,5 @@ def test_the_parts_fit_one_device_command():
     limits = {}
     for name, limit in re.findall(r"^\s*part (\S+) (\d+) ", (ROOT / "bench" / "gpu_check.sh").read_text(), re.M):
         limits[name] = int(limit)
-    assert set(limits) == {"gpu_tests", "kernels", "e2e", "quant", "lora", "kv_tier"}
+    assert set(limits) == {"gpu_tests", "kernels", "e2e", "quant", "lora", "kv_tier", "kv_copy"}
     assert sum(limits.values()) <= 480, limits
