@@ -109,7 +109,8 @@ def main(argv=None) -> None:
     from bench.vs_vllm import build_model
     if args.quick:
         args.batch, args.context, args.prefill, args.reps, args.rounds = 4, 40, 64, 2, 1
-    model = build_model(os.path.join(args.cache_dir, "model-quick" if args.quick else "model"), args.quick)
+    model = build_model(os.path.join(args.cache_dir, "model-quick" if args.quick else "model"),
+                        "quick" if args.quick else "tiny")
     rows, kernels = [], {}
     for _ in range(args.rounds):
         for dtype in args.dtypes:
