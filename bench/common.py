@@ -13,6 +13,7 @@ import platform
 import random
 import subprocess
 import sys
+import urllib.request
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -250,3 +251,10 @@ def set_threads(n: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(n)
     import torch
     torch.set_num_threads(n)
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """A process's Prometheus text on 127.0.0.1:`port`/metrics -> {'name{labels}': value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines())
+            if k and not k.startswith("#")}

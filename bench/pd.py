@@ -28,14 +28,13 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpc  # noqa: E402
 
-from bench.common import REPO, command_line, lscpu_lines, machine, markdown_table, now  # noqa: E402
+from bench.common import REPO, command_line, lscpu_lines, machine, markdown_table, now, scrape_metrics  # noqa: E402
 from bench.kv_transfer import BLOCK, TINY  # noqa: E402
 from pagoda.clients.up import Cluster, find_redis_server, free_port, redis_command, wait_redis, wait_serving  # noqa: E402
 from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
@@ -78,18 +77,8 @@ def start(cluster: Cluster, model: str, max_len: int, blocks: int) -> tuple[str,
     return f"127.0.0.1:{router_port}", metrics_port
 
 
-def scrape(metrics_port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
 def live(metrics_port: int) -> dict[str, int]:
-    return {k.split('model="')[1].split('"')[0]: int(v) for k, v in scrape(metrics_port).items()
+    return {k.split('model="')[1].split('"')[0]: int(v) for k, v in scrape_metrics(metrics_port).items()
             if k.startswith("pagoda_router_live_workers{")}
 
 
@@ -158,13 +147,13 @@ def main() -> None:
         for m in MODES:         # warm: kernels, channels, the fetch path
             a_warm = argparse.Namespace(**{**vars(a), "streams": 1, "stream_tokens": 4, "long": 1, "delay": 0.0})
             asyncio.run(one_round(address, m, a_warm, rng))
-        before = scrape(metrics_port)
+        before = scrape_metrics(metrics_port)
         loads = [os.getloadavg()[0]]
         for r in range(a.rounds):
             for m in (list(MODES) if r % 2 == 0 else list(reversed(MODES))):
                 got[m].append(asyncio.run(one_round(address, m, a, rng)))
                 loads.append(os.getloadavg()[0])
-        after = scrape(metrics_port)
+        after = scrape_metrics(metrics_port)
     finally:
         cluster.stop()
     rows = []

@@ -25,14 +25,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpc  # noqa: E402
 
-from bench.common import machine, markdown_table, now  # noqa: E402
+from bench.common import machine, markdown_table, now, scrape_metrics  # noqa: E402
 from pagoda.clients import up  # noqa: E402
 from pagoda.clients.client import PagodaClient  # noqa: E402
 from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
@@ -102,9 +101,7 @@ class Stack:
         self.procs[name].wait()
 
     def metrics(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines())
-                if k and not k.startswith("#")}
+        return scrape_metrics(self.metrics_port)
 
     def live(self) -> float:
         return sum(v for k, v in self.metrics().items() if k.startswith("pagoda_router_live_workers{"))

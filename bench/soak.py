@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 
-from bench.common import REPO, command_line, markdown_table, now  # noqa: E402
+from bench.common import REPO, command_line, markdown_table, now, scrape_metrics  # noqa: E402
 from pagoda.clients import up  # noqa: E402
 from pagoda.protos.pagoda.v1 import pagoda_pb2 as pb  # noqa: E402
 from pagoda.protos.pagoda.v1 import pagoda_pb2_grpc as pb_grpc  # noqa: E402
@@ -128,10 +128,7 @@ class Cluster:
         self.procs[name].wait()
 
     def metrics(self) -> dict[str, float]:
-        import urllib.request
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines())
-                if k and not k.startswith("#")}
+        return scrape_metrics(self.metrics_port)
 
     def live(self) -> float:
         try:

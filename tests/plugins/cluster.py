@@ -22,13 +22,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from bench.common import scrape_metrics
 from pagoda.runtime.lifetime import PARENT_PID_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -258,13 +258,7 @@ class Proc:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus text -> {'name{labels}': value}."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+        return scrape_metrics(self.metrics_port)
 
     def kill(self, sig=signal.SIGKILL) -> None:
         if self.proc.poll() is None:
