@@ -26,8 +26,10 @@ def move(src, dst, num_ok=None):
     """What a fetch does, minus the network: -> (plan, blocks named on dst)."""
     plan = PlanImport(tuple(PROMPT), 6, "", "")(dst)
     assert plan is not None
-    n, data = ExportBlocks(tuple(plan.missing))(src)
-    assert n == len(plan.missing) and data.shape[1] == 2 * 2 * 2 * BLOCK * 16 * 4
+    exported = ExportBlocks(tuple(plan.missing))(src)
+    assert exported is not None
+    layout, data = exported
+    assert layout.num_blocks == len(plan.missing) and data.shape[1] == 2 * 2 * 2 * BLOCK * 16 * 4
     WriteBlocks(tuple(b.block_id for b in plan.blocks), data)(dst)
     for b in plan.blocks:       # quarantined: held, unnamed, no lookup finds them
         assert b.ref_cnt == 1 and b.block_hash is None
@@ -42,12 +44,12 @@ def test_moved_blocks_are_byte_identical_and_serve_the_same_tokens(tiny_model):
     plan, data = move(a.engine, b.engine)
     pool = b.engine.kv.pool
     assert [pool.get_cached_block(h) for h in plan.missing] == plan.blocks
-    again, _ = ExportBlocks(tuple(plan.missing))(b.engine)
-    assert torch.equal(ExportBlocks(tuple(plan.missing))(b.engine)[1], data) and again == 6
+    again, data_again = ExportBlocks(tuple(plan.missing))(b.engine)
+    assert torch.equal(data_again, data) and again.num_blocks == 6
     assert pool.num_free_blocks() == pool.num_blocks          # named, idle, evictable
     out = b.generate([PROMPT], GREEDY)[0]
     assert out.outputs[0].token_ids == want and out.num_cached_tokens == 96
-    assert layout_of(a.engine) == layout_of(b.engine)
+    assert layout_of(a.engine) == layout_of(b.engine) and again == layout_of(a.engine, 6)
 
 
 def test_only_the_leading_complete_run_is_named_and_nothing_leaks(tiny_model):
@@ -76,4 +78,4 @@ def test_a_plan_pins_what_is_cached_and_asks_only_for_the_rest(tiny_model):
     other = PlanImport(tuple(PROMPT), 6, "tenant:x", "")(b.engine)
     assert other is not None and len(other.missing) == 6 and not set(other.missing) & set(plan.missing)
     FinishImport(other, 0)(b.engine)
-    assert ExportBlocks(tuple(other.missing))(a.engine)[0] == 0
+    assert ExportBlocks(tuple(other.missing))(a.engine)[0].num_blocks == 0
