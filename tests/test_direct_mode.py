@@ -103,7 +103,12 @@ def test_a_direct_stream_closed_early_ends_the_request_on_the_worker(router, key
 def test_a_grant_carries_the_tenant(router):
     with PagodaClient(router.address, api_key="alice-key", retries=0, direct=True) as alice, \
             PagodaClient(router.address, api_key="bob-key", retries=0, direct=True) as bob:
+        blocks = metric(router, "pagoda_router_index_blocks")
         first = alice.complete(SHARED, max_tokens=2, temperature=0.0)
+        # The router learns the new blocks from the worker's events through Redis, a moment later;
+        # routing before they arrive is a guess (CI once sent the second request to the other worker).
+        wait_for(lambda: first.usage.cached_prompt_tokens > 0 or metric(router, "pagoda_router_index_blocks") > blocks,
+                 10, "the router to index the first request's blocks")
         second = alice.complete(SHARED, max_tokens=2, temperature=0.0)
         assert second.worker_id == first.worker_id and second.usage.cached_prompt_tokens > 0
         # Same prompt, another tenant: served in bob's namespace, none of alice's cache.
