@@ -25,6 +25,7 @@ def test_auto_is_bf16_only_with_native_bf16(flags, want):
 
 
 def test_the_runner_resolves_and_logs_it(monkeypatch, caplog):
+    monkeypatch.delenv(config.CPU_DTYPE_ENV, raising=False)
     monkeypatch.setattr(config, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
     with caplog.at_level(logging.INFO):
         assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
@@ -32,6 +33,23 @@ def test_the_runner_resolves_and_logs_it(monkeypatch, caplog):
     monkeypatch.setattr(config, "cpu_flags", lambda: ZEN3)
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16       # an explicit dtype stays
+
+
+def test_an_operator_names_the_dtype_auto_takes(monkeypatch, caplog):
+    """$PAGODA_CPU_DTYPE: one dtype for a fleet of mixed CPUs; explicit flags (another CPU) ignore it."""
+    monkeypatch.setattr(config, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
+    monkeypatch.setenv(config.CPU_DTYPE_ENV, "float32")
+    with caplog.at_level(logging.INFO):
+        assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert "float32 on this CPU (set by PAGODA_CPU_DTYPE)" in caplog.text
+    assert cpu_auto_dtype(SAPPHIRE_RAPIDS)[0] == "bfloat16"
+    monkeypatch.setattr(config, "cpu_flags", lambda: ZEN3)
+    monkeypatch.setenv(config.CPU_DTYPE_ENV, "bfloat16")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32         # an explicit dtype stays
+    monkeypatch.setenv(config.CPU_DTYPE_ENV, "fp64")
+    with pytest.raises(ValueError, match="PAGODA_CPU_DTYPE: must be float32, bfloat16 or float16"):
+        resolve_dtype("auto", torch.device("cpu"))
 
 
 def test_this_machines_flags_are_read():

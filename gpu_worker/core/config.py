@@ -64,10 +64,21 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+CPU_DTYPE_ENV = "PAGODA_CPU_DTYPE"
+
+
 def cpu_auto_dtype(flags: set[str] | None = None) -> tuple[str, str]:
     """(dtype, why) that --dtype auto takes on a CPU: bfloat16 where the CPU has native bf16
-    arithmetic, float32 elsewhere. flags: the CPU's flags (default: this CPU's)."""
-    flags = cpu_flags() if flags is None else flags
+    arithmetic, float32 elsewhere. flags: the CPU's flags (default: this CPU's, and then
+    $PAGODA_CPU_DTYPE, where set, names the dtype instead: one dtype for a fleet of mixed CPUs,
+    whose workers would otherwise serve different numbers and could not share KV blocks)."""
+    if flags is None:
+        forced = os.environ.get(CPU_DTYPE_ENV, "")
+        if forced:
+            if forced not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{CPU_DTYPE_ENV}: must be float32, bfloat16 or float16 (got {forced!r})")
+            return forced, f"dtype auto: {forced} on this CPU (set by {CPU_DTYPE_ENV})"
+        flags = cpu_flags()
     native = [f for f in CPU_BF16_FLAGS if f in flags]
     if native:
         return "bfloat16", f"dtype auto: bfloat16 on this CPU (native bf16 arithmetic: {', '.join(native)})"
