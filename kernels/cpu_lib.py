@@ -58,6 +58,8 @@ SIGNATURES = {
     "gemm_packed_size": [i32, i32],
     "pool_set_spin_us": [i32],
     "pool_set_spin_always": [i32],
+    "pool_asleep": [],
+    "pool_wakeups": [],
     "add_rms_norm_f32": [ptr, i64, ptr, i64, ptr, f32, ptr, i64, ptr, i64, i32, i32, i32, i32],
     "rotary_neox_f32": [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, ptr, i64, i64, i32, i32, i32, i32],
     "write_kv_f32": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64,
@@ -67,7 +69,7 @@ SIGNATURES = {
     "convert_from_f32": [ptr, ptr, i64, i32, i32],
 }
 RESTYPES = {"pool_set_spin_us": None, "pool_set_spin_always": None, "gemm_pack": None,
-            "gemm_packed_size": i64, "gemm_attention_work_floats": i64}
+            "gemm_packed_size": i64, "gemm_attention_work_floats": i64, "pool_wakeups": i64}
 # Whether every job keeps the pool's threads spinning after it (set_spin_always).
 _spin_always = False
 

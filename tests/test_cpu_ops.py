@@ -195,3 +195,47 @@ def test_thread_count_changes_nothing(monkeypatch, threads):
     monkeypatch.setenv("PAGODA_CPU_KERNEL_THREADS", threads)
     got = add_rms_norm_cpu(x, res, w, 1e-6)[0], silu_mul_cpu(gate_up)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_small_job_does_not_wake_a_sleeping_pool(monkeypatch):
+    """Waking a pool thread costs up to half a millisecond on a VM, a large step's KV write or rotary
+    tens of microseconds: with the pool asleep such a job runs on the caller alone, and a job big
+    enough to pay for the wake-up still takes the pool."""
+    import time
+
+    from pagoda.kernels import cpu_lib
+    lib = cpu_lib.load_library()
+    monkeypatch.setenv("PAGODA_CPU_KERNEL_THREADS", "2")
+    monkeypatch.setattr(cpu_lib, "_spin_always", cpu_lib._spin_always)
+    cpu_lib.set_spin_always(False)
+    try:
+        g = torch.Generator().manual_seed(9)
+        big = torch.randn(700, 2816, generator=g)               # ~2M floats: worth a thread
+        rows, blocks, bs, h, d = 64, 48, 8, 8, 128                 # 131k floats: two threads' worth
+        key, value = torch.randn(rows, h, d, generator=g), torch.randn(rows, h, d, generator=g)
+        slots = torch.randperm(blocks * bs, generator=g)[:rows]
+        caches = [(new_kv_cache(blocks, bs, h, d, torch.float32, "cpu"),
+                   new_kv_cache(blocks, bs, h, d, torch.float32, "cpu")) for _ in range(2)]
+
+        def asleep():       # after a job that asks for no spin, its pool thread goes to sleep
+            deadline = time.monotonic() + 5
+            while not lib.pool_asleep():
+                assert time.monotonic() < deadline, "the pool thread never went to sleep"
+                time.sleep(0.001)
+        silu_mul_cpu(big)                                        # starts the pool thread
+        asleep()
+        before = lib.pool_wakeups()
+        write_kv_cache_cpu(key, value, *caches[0], slots)        # 64 rows, past the small-step spin
+        assert lib.pool_wakeups() == before
+        write_kv_cache_ref(key, value, *caches[1], slots)
+        assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+        asleep()
+        silu_mul_cpu(big)
+        assert lib.pool_wakeups() == before + 1
+    finally:
+        cpu_lib.set_spin_always(parallel_pool())
+
+
+def parallel_pool() -> bool:
+    from pagoda.gpu_worker.models import parallel
+    return parallel._POOL

@@ -20,8 +20,13 @@
 
 #define SMALL_STEP_ROWS 8        /* as gemv_cpu.c's GEMV_MAX_M: a small step spins the pool */
 #define MIN_FLOATS_PER_THREAD 16384
+#define WAKE_FLOATS (1 << 20)
 
 static int threads_for(int64_t rows, int64_t floats_per_row, int threads) {
+    /* A few hundred microseconds of work at most: not worth waking a sleeping pool thread,
+     * which costs up to half a millisecond on a VM (a large step's write_kv waited 0.8 ms for
+     * 25 us of copying). An awake pool (a small step's, spinning) still takes it. */
+    if (rows * floats_per_row < WAKE_FLOATS && pool_asleep()) return 1;
     int64_t most = rows * floats_per_row / MIN_FLOATS_PER_THREAD;
     if (most < 1) most = 1;
     if (most > rows) most = rows;

@@ -18,6 +18,7 @@ static atomic_int remaining;       /* pool threads still in the current job */
 static int64_t spin_ns = 1000000;  /* after a job that asks for a spin */
 static int job_spin;               /* whether pool threads spin after the current job */
 static int spin_always;            /* every job spins (pool_set_spin_always) */
+static int64_t wakeups;            /* jobs that had to wake sleeping threads (pool_wakeups) */
 
 static pool_task job_task;
 static void *job_ctx;
@@ -75,6 +76,10 @@ static void after_fork_in_child(void) {
     pthread_cond_init(&wake, NULL);
 }
 
+int64_t pool_wakeups(void) { return wakeups; }
+
+int pool_asleep(void) { return __atomic_load_n(&sleepers, __ATOMIC_RELAXED) > 0; }
+
 void pool_set_spin_us(int us) { spin_ns = us < 0 ? 0 : (int64_t)us * 1000; }
 
 void pool_set_spin_always(int on) { spin_always = on != 0; }
@@ -105,7 +110,10 @@ void pool_run(pool_task task, void *ctx, int threads, int spin) {
     atomic_store_explicit(&remaining, started, memory_order_relaxed);
     atomic_fetch_add_explicit(&generation, 1, memory_order_release);
     pthread_mutex_lock(&sleep_lock);
-    if (sleepers) pthread_cond_broadcast(&wake);
+    if (sleepers) {
+        wakeups++;
+        pthread_cond_broadcast(&wake);
+    }
     pthread_mutex_unlock(&sleep_lock);
     task(ctx, 0, threads);
     while (atomic_load_explicit(&remaining, memory_order_acquire) > 0) cpu_relax();

@@ -15,9 +15,19 @@
 #ifndef PAGODA_THREAD_POOL_H
 #define PAGODA_THREAD_POOL_H
 
+#include <stdint.h>
+
 typedef void (*pool_task)(void *ctx, int id, int threads);
 
 void pool_run(pool_task task, void *ctx, int threads, int spin);
+
+/* Whether a pool thread is asleep now (a hint, read without the lock): a job too small to pay
+ * for waking it (tens of microseconds of work against up to half a millisecond to wake) is
+ * better run on the calling thread alone. */
+int pool_asleep(void);
+
+/* How many jobs so far had to wake a sleeping pool thread. */
+int64_t pool_wakeups(void);
 
 /* Spin after every job, whatever it asks (kernels/cpu_lib.py's set_spin_always): when a large
  * step's GEMMs run on this pool too, its kernels also come back to back. */
