@@ -186,3 +186,33 @@ def tune(key: dict, work: list[Work], budget: float, measure: Callable[[Callable
     if fresh:
         save_cache(key, choices)
     return out
+
+
+# The implementations that run on the C kernels' thread pool; the others run on torch's OpenMP threads.
+POOL_IMPLS = ("gemv", "gemm")
+
+
+def one_family(picked: dict[str, str], timed: dict[str, dict], names: list[str]) -> dict[str, str]:
+    """picked, with the linears `names` (one row bucket's shapes) all on one thread family: the
+    pool's (POOL_IMPLS) or OpenMP's, whichever sums to less over them at their timings (`timed`:
+    load_cache's entries), each shape then its fastest in that family. A step runs every linear
+    at the same rows, and a mix makes the families share the cores: the pool's threads spin for
+    its next GEMM while oneDNN's run (a 64-row fp32 step at 0.7x of either family alone on a
+    2-core Zen 4), or sleep and are woken for every pool GEMM. Left as picked when any of them
+    lacks timings of both families."""
+    best: dict[str, dict[bool, tuple[float, str]]] = {}
+    for name in names:
+        ms = (timed.get(name) or {}).get("ms") or {}
+        for pool in (True, False):
+            fam = {impl: t for impl, t in ms.items() if (impl in POOL_IMPLS) == pool}
+            if not fam:
+                return picked
+            impl = min(sorted(fam), key=lambda i: fam[i])
+            best.setdefault(name, {})[pool] = (fam[impl], impl)
+    if not names:
+        return picked
+    pool = sum(best[n][True][0] for n in names) <= sum(best[n][False][0] for n in names)
+    out = dict(picked)
+    for name in names:
+        out[name] = best[name][pool][1]
+    return out

@@ -174,3 +174,53 @@ def test_every_implementation_computes_the_same_linear(dtype, rows):
             got = parallel.run_linear(impl, x, w, b)
             assert got.dtype == dtype, impl
             torch.testing.assert_close(got.double(), want, **tol, msg=impl)
+
+
+def test_a_row_bucket_runs_on_one_thread_family():
+    """one_family: a bucket's linears all on the pool (gemm) or all on OpenMP (onednn/torch),
+    whichever sums to less; within it each shape's fastest. Without timings of both: as picked."""
+    timed = {"8x8@64": {"ms": {"gemm": 1.0, "onednn": 1.2, "torch": 3.0}},      # the pool wins here...
+             "9x9@64": {"ms": {"gemm": 5.0, "onednn": 2.0, "torch": 1.9}},      # ... OpenMP by more here
+             "8x8@256": {"ms": {"gemm": 1.0, "onednn": 4.0}}, "9x9@256": {"ms": {"gemm": 2.0, "onednn": 1.5}}}
+    picked = {"8x8@64": "gemm", "9x9@64": "torch", "8x8@256": "gemm", "9x9@256": "onednn", "8x8@1": "gemv"}
+    out = cpu_tune.one_family(picked, timed, ["8x8@64", "9x9@64"])
+    assert out == {**picked, "8x8@64": "onednn", "9x9@64": "torch"}          # OpenMP: 1.2 + 1.9 < 1.0 + 5.0
+    assert cpu_tune.one_family(picked, timed, ["8x8@256", "9x9@256"]) == {**picked, "9x9@256": "gemm"}  # 3.0 < 5.5
+    untimed = {**timed, "9x9@64": {"impl": "torch", "ms": {}}}
+    assert cpu_tune.one_family(picked, untimed, ["8x8@64", "9x9@64"]) == picked
+    only_pool = {**timed, "9x9@64": {"ms": {"gemm": 5.0}}}
+    assert cpu_tune.one_family(picked, only_pool, ["8x8@64", "9x9@64"]) == picked
+
+
+def test_a_large_linear_sets_the_pools_spin_to_its_family(monkeypatch):
+    """The pool's threads spin kernel to kernel while the large linears are its GEMM, and stop
+    when they run on OpenMP (where a spinner would take a core from oneDNN)."""
+    from pagoda.kernels import cpu_lib
+    monkeypatch.setattr(cpu_lib, "_spin_always", cpu_lib._spin_always)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 24, generator=g)
+    big, small = torch.randn(64, 24, generator=g), torch.randn(2, 24, generator=g)
+    with torch.inference_mode():
+        parallel.run_linear("gemm", big, w)
+        assert cpu_lib._spin_always
+        parallel.run_linear("torch", small, w)         # a small step's linear leaves it
+        assert cpu_lib._spin_always
+        parallel.run_linear("torch", big, w)
+        assert not cpu_lib._spin_always
+        parallel.run_linear("gemm", big, w)
+        assert cpu_lib._spin_always
+    cpu_lib.set_spin_always(parallel._POOL)
+
+
+def test_tune_linears_keeps_each_large_bucket_on_one_family(cache, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    w1 = torch.nn.Parameter(torch.randn(48, 40, generator=g), requires_grad=False)
+    w2 = torch.nn.Parameter(torch.randn(40, 48, generator=g), requires_grad=False)
+    monkeypatch.setattr(parallel, "_choices", {})
+    timed = {"48x40@64": {"ms": {"gemm": 1.0, "onednn": 1.1, "torch": 1.5}},
+             "40x48@64": {"ms": {"gemm": 3.0, "onednn": 1.0, "torch": 2.0}}}
+    monkeypatch.setattr(cpu_tune, "tune", lambda key, work, budget: {
+        w.name: {"48x40@64": "gemm", "40x48@64": "onednn"}.get(w.name, w.default) for w in work})
+    monkeypatch.setattr(cpu_tune, "load_cache", lambda key: timed)
+    tuned = parallel.tune_linears([(w1, None), (w2, None)])
+    assert tuned[(48, 40, torch.float32)][2] == tuned[(40, 48, torch.float32)][2] == "onednn"

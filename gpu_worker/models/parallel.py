@@ -58,8 +58,9 @@ def _cpu_gemm() -> str:
 _CPU_GEMM = _cpu_gemm()
 _ONEDNN = _CPU_GEMM == "onednn"
 _POOL = _CPU_GEMM in ("auto", "c")
-# The step's GEMMs run on the kernels' pool: its threads may spin from one kernel to the next
-# (tune_linears revisits this once it knows what runs the large batches).
+# The step's GEMMs run on the kernels' pool: its threads may spin from one kernel to the next.
+# In auto, run_linear follows what runs each large linear: the pool's GEMM turns the spin on,
+# oneDNN or F.linear (OpenMP's threads) turn it off; tune_linears keeps one family per row bucket.
 cpu_lib.set_spin_always(_POOL)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (out features, in features, dtype) -> the implementation per bucket of cpu_tune.BUCKETS.
@@ -107,8 +108,12 @@ def run_linear(impl: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if impl == "gemv":
         return cpu_gemv.small_linear(x, weight, bias)
     if impl == "gemm":
+        if not cpu_lib._spin_always:      # a large step on the pool: its threads spin kernel to kernel
+            cpu_lib.set_spin_always(True)
         packed = _packed(weight, cpu_gemm.pack) if isinstance(weight, nn.Parameter) else cpu_gemm.pack(weight)
         return cpu_gemm.linear(x, packed, weight.shape[0], bias)
+    if cpu_lib._spin_always and x.shape[0] > GEMV_MAX_M:
+        cpu_lib.set_spin_always(False)    # ... on OpenMP's threads: the pool's must not spin beside them
     if impl == "onednn":
         w = _packed(weight, _onednn_layout) if isinstance(weight, nn.Parameter) else weight
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
@@ -172,6 +177,10 @@ def tune_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) ->
                 work.append(cpu_tune.Work(n, k, rows, {i: functools.partial(call, i) for i in names},
                                           _default_name(x, w, b)))
         picked = cpu_tune.tune(key, work, cpu_tune.budget_s())
+        timed = cpu_tune.load_cache(key)
+        for rows in cpu_tune.BUCKETS:
+            if rows > GEMV_MAX_M:
+                picked = cpu_tune.one_family(picked, timed, [f"{n}x{k}@{rows}" for n, k, _ in shapes])
         for (n, k, _), (w, _b) in shapes.items():
             tuned[(n, k, dtype)] = tuple(picked[f"{n}x{k}@{rows}"] for rows in cpu_tune.BUCKETS)
             # The timed packings that lost: one weight's worth each, not kept.
@@ -179,9 +188,6 @@ def tune_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) ->
                 if impl not in tuned[(n, k, dtype)]:
                     _packs.pop((id(w), fn), None)
     _choices.update(tuned)
-    # Spin between kernels when the pool's own GEMM runs the large batches (cpu_lib.set_spin_always).
-    large = [impl for picks in _choices.values() for impl in picks[2:]]
-    cpu_lib.set_spin_always(bool(large) and large.count("gemm") * 2 >= len(large))
     return tuned
 
 
