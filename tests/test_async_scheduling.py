@@ -31,7 +31,12 @@ def test_auto_is_off_on_a_cpu(tiny_llm_factory):
 
 
 @pytest.mark.parametrize("num_kv_blocks", [256, 14])   # 14 blocks of 16: requests preempt each other
-def test_outputs_equal_the_synchronous_engine(tiny_llm_factory, num_kv_blocks):
+def test_outputs_equal_the_synchronous_engine(tiny_llm_factory, num_kv_blocks, monkeypatch):
+    # The C linears sum each row alike whatever the batch; the tuner's choice can differ by row
+    # bucket (oneDNN at one, the C GEMM at another), and the two orders of steps batch rows
+    # differently: a logprob then differs in its last bit, which is not what this is about.
+    from pagoda.gpu_worker.models import parallel
+    monkeypatch.setattr(parallel, "_CPU_GEMM", "c")
     sync = tiny_llm_factory("llama", num_kv_blocks=num_kv_blocks, max_num_seqs=8)
     pipe = tiny_llm_factory("llama", num_kv_blocks=num_kv_blocks, max_num_seqs=8, async_scheduling="on")
     prompts = [rand_ids(20 + 7 * i, i) for i in range(6)]
