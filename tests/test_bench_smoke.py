@@ -137,6 +137,16 @@ def test_cpu_forward_quick(tmp_path):
     assert "- lscpu flags: " in out and "- pagoda's CPU kernels (passive, float32): C kernels built" in out
 
 
+@pytest.mark.timeout(240)
+def test_cpu_decode_quick(tmp_path):
+    out = run_script("cpu_decode.py", "--cache-dir", str(tmp_path), "--dtypes", "float32", "bfloat16",
+                     timeout=200)
+    rows = table_rows(out, "round")
+    assert [(r["dtype"], r["PAGODA_CPU_GEMM"]) for r in rows] == [("float32", "auto"), ("bfloat16", "auto")]
+    assert all(float(r["tok/s"].replace(",", "")) > 0 for r in rows)
+    assert "- lscpu flags: " in out and "C kernels built" in out
+
+
 def test_vs_vllm_tree_cpu_seconds():
     """The CPU time of a process tree counts a busy child's (as vLLM's engine core is one)."""
     import subprocess
