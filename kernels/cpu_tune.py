@@ -7,7 +7,8 @@ rule of thumb from the developer's CPU decides. Choices are cached as JSON besid
 cache (cpu_lib.cache_dir), under a key of everything the timings depend on: the CPU's model name
 and flags, the dtype, torch's version, the C kernels' build (their sources: a kernel changed or
 added is timed again) and the model's linear shapes. A start whose key is cached
-times nothing.
+times nothing, except a choice timed while the machine was oversubscribed (its load is stored
+with it), which is timed again at a start at most half as busy.
 
 The tuning is bounded: each candidate runs once untimed (it packs its weight, warms caches),
 then at most MAX_REPS timed calls or MIN_SECONDS of them, the minimum kept; the work goes from
@@ -147,20 +148,41 @@ class Work:
         return 2.0 * self.n * self.k * self.bucket
 
 
+def busy() -> float:
+    """This machine's load: the 1-minute load average per CPU (1.0: every core had work)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
+def stale(hit: dict, now_busy: float) -> bool:
+    """A cached choice timed while the machine was oversubscribed (more runnable threads than
+    cores: the timings then measure the other load as much as the candidates), and the machine is
+    now at most half as busy: time it again. A choice timed at a normal load stays for good."""
+    then = float(hit.get("busy", 0.0))
+    return then > 1.0 and now_busy < then / 2
+
+
 def tune(key: dict, work: list[Work], budget: float, measure: Callable[[Callable[[], object]], float] = measure,
-         clock: Callable[[], float] = time.perf_counter) -> dict[str, str]:
+         clock: Callable[[], float] = time.perf_counter, load: Callable[[], float] = busy) -> dict[str, str]:
     """The implementation for each work item's name: cached, timed now, or its default (untimed).
-    Logs one line per choice and writes what it timed to the cache."""
+    Logs one line per choice and writes what it timed to the cache, with the load it was timed at
+    (a choice timed on an oversubscribed machine is timed again once it is quieter: stale)."""
     cached = load_cache(key)
     choices, fresh = dict(cached), False
     start, rate = clock(), 0.0          # rate: the slowest flops per second seen, for estimates
+    now_busy = load()
     out: dict[str, str] = {}
     for w in sorted(work, key=lambda w: (w.flops, w.name)):
         hit = cached.get(w.name)
         if hit is not None and hit.get("impl") in w.candidates:
-            out[w.name] = hit["impl"]
-            log.info("CPU linear %s rows<=%d: %s (cached)", f"{w.n}x{w.k}", w.bucket, hit["impl"])
-            continue
+            if not (hit.get("ms") and stale(hit, now_busy)):
+                out[w.name] = hit["impl"]
+                log.info("CPU linear %s rows<=%d: %s (cached)", f"{w.n}x{w.k}", w.bucket, hit["impl"])
+                continue
+            log.info("CPU linear %s rows<=%d: timed again (cached %s was timed at load %.1f per CPU, now %.1f)",
+                     f"{w.n}x{w.k}", w.bucket, hit["impl"], hit["busy"], now_busy)
         # Each candidate makes about two calls (an untimed one, then a timed one or more).
         estimate = 2 * len(w.candidates) * w.flops / rate if rate else 0.0
         if len(w.candidates) < 2 or estimate > budget:
@@ -170,9 +192,9 @@ def tune(key: dict, work: list[Work], budget: float, measure: Callable[[Callable
             log.info("CPU linear %s rows<=%d: %s (untimed: %s)", f"{w.n}x{w.k}", w.bucket, w.default, why)
             continue
         if clock() - start + estimate > budget:
-            out[w.name] = w.default
+            out[w.name] = hit["impl"] if hit is not None and hit.get("impl") in w.candidates else w.default
             log.info("CPU linear %s rows<=%d: %s (untimed: tuning budget of %.1fs spent; timed at a later start)",
-                     f"{w.n}x{w.k}", w.bucket, w.default, budget)
+                     f"{w.n}x{w.k}", w.bucket, out[w.name], budget)
             continue
         timings = {name: measure(fn) for name, fn in w.candidates.items()}
         best = choose(timings)
@@ -180,7 +202,8 @@ def tune(key: dict, work: list[Work], budget: float, measure: Callable[[Callable
         if slowest > 0:
             rate = w.flops / slowest if not rate else min(rate, w.flops / slowest)
         out[w.name] = best
-        choices[w.name], fresh = {"impl": best, "ms": {n: round(t * 1e3, 4) for n, t in timings.items()}}, True
+        choices[w.name], fresh = {"impl": best, "ms": {n: round(t * 1e3, 4) for n, t in timings.items()},
+                                  "busy": round(now_busy, 2)}, True
         log.info("CPU linear %s rows<=%d: %s (%s)", f"{w.n}x{w.k}", w.bucket, best,
                  ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in sorted(timings.items(), key=lambda kv: kv[1])))
     if fresh:

@@ -224,3 +224,22 @@ def test_tune_linears_keeps_each_large_bucket_on_one_family(cache, monkeypatch):
     monkeypatch.setattr(cpu_tune, "load_cache", lambda key: timed)
     tuned = parallel.tune_linears([(w1, None), (w2, None)])
     assert tuned[(48, 40, torch.float32)][2] == tuned[(40, 48, torch.float32)][2] == "onednn"
+
+
+def test_a_choice_timed_on_a_busy_machine_is_timed_again_when_quieter(cache):
+    """Timed at 3 runnable threads per core, the choice measured the other load: a start at most half
+    as busy times it again (and stores the new load); one timed at a normal load stays for good."""
+    key = cpu_tune.cache_key(torch.float32, [(64, 32)], CPUINFO)
+    busy_timings = {"64x32@1": {"gemv": 3e-5, "torch": 1e-5}}       # torch won under load
+    quiet_timings = {"64x32@1": {"gemv": 1e-5, "torch": 2e-5}}
+    calls: list[str] = []
+
+    def run(timings, load):
+        return cpu_tune.tune(key, fake_work(timings, calls), 10.0, measure=measure_injected, load=lambda: load)
+    assert run(busy_timings, 3.0) == {"64x32@1": "torch"}
+    assert json.loads(cpu_tune.cache_path(key).read_text())["choices"]["64x32@1"]["busy"] == 3.0
+    calls.clear()
+    assert run(quiet_timings, 2.0) == {"64x32@1": "torch"} and calls == []     # not quiet enough
+    assert run(quiet_timings, 0.6) == {"64x32@1": "gemv"} and len(calls) == 2  # timed again
+    calls.clear()
+    assert run(busy_timings, 0.1) == {"64x32@1": "gemv"} and calls == []      # 0.6 per CPU: kept for good
