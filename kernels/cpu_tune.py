@@ -165,10 +165,12 @@ def stale(hit: dict, now_busy: float) -> bool:
 
 
 def tune(key: dict, work: list[Work], budget: float, measure: Callable[[Callable[[], object]], float] = measure,
-         clock: Callable[[], float] = time.perf_counter, load: Callable[[], float] = busy) -> dict[str, str]:
+         clock: Callable[[], float] = time.perf_counter, load: Callable[[], float] = busy,
+         one_family_above: int | None = None) -> dict[str, str]:
     """The implementation for each work item's name: cached, timed now, or its default (untimed).
     Logs one line per choice and writes what it timed to the cache, with the load it was timed at
-    (a choice timed on an oversubscribed machine is timed again once it is quieter: stale)."""
+    (a choice timed on an oversubscribed machine is timed again once it is quieter: stale).
+    one_family_above: the row buckets past it each keep one thread family (one_family)."""
     cached = load_cache(key)
     choices, fresh = dict(cached), False
     start, rate = clock(), 0.0          # rate: the slowest flops per second seen, for estimates
@@ -208,6 +210,9 @@ def tune(key: dict, work: list[Work], budget: float, measure: Callable[[Callable
                  ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in sorted(timings.items(), key=lambda kv: kv[1])))
     if fresh:
         save_cache(key, choices)
+    if one_family_above is not None:
+        for bucket in sorted({w.bucket for w in work if w.bucket > one_family_above}):
+            out = one_family(out, choices, [w.name for w in work if w.bucket == bucket])
     return out
 
 
@@ -223,19 +228,14 @@ def one_family(picked: dict[str, str], timed: dict[str, dict], names: list[str])
     its next GEMM while oneDNN's run (a 64-row fp32 step at 0.7x of either family alone on a
     2-core Zen 4), or sleep and are woken for every pool GEMM. Left as picked when any of them
     lacks timings of both families."""
-    best: dict[str, dict[bool, tuple[float, str]]] = {}
+    fastest: dict[bool, dict[str, str]] = {True: {}, False: {}}     # pool? -> name -> its fastest impl
+    total = {True: 0.0, False: 0.0}
     for name in names:
         ms = (timed.get(name) or {}).get("ms") or {}
         for pool in (True, False):
             fam = {impl: t for impl, t in ms.items() if (impl in POOL_IMPLS) == pool}
             if not fam:
                 return picked
-            impl = min(sorted(fam), key=lambda i: fam[i])
-            best.setdefault(name, {})[pool] = (fam[impl], impl)
-    if not names:
-        return picked
-    pool = sum(best[n][True][0] for n in names) <= sum(best[n][False][0] for n in names)
-    out = dict(picked)
-    for name in names:
-        out[name] = best[name][pool][1]
-    return out
+            fastest[pool][name] = min(sorted(fam), key=lambda i: fam[i])
+            total[pool] += fam[fastest[pool][name]]
+    return {**picked, **fastest[total[True] <= total[False]]}

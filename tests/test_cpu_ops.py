@@ -233,9 +233,5 @@ def test_a_small_job_does_not_wake_a_sleeping_pool(monkeypatch):
         silu_mul_cpu(big)
         assert lib.pool_wakeups() == before + 1
     finally:
-        cpu_lib.set_spin_always(parallel_pool())
-
-
-def parallel_pool() -> bool:
-    from pagoda.gpu_worker.models import parallel
-    return parallel._POOL
+        from pagoda.gpu_worker.models import parallel
+        cpu_lib.set_spin_always(parallel._POOL)

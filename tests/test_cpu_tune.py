@@ -217,11 +217,11 @@ def test_tune_linears_keeps_each_large_bucket_on_one_family(cache, monkeypatch):
     w1 = torch.nn.Parameter(torch.randn(48, 40, generator=g), requires_grad=False)
     w2 = torch.nn.Parameter(torch.randn(40, 48, generator=g), requires_grad=False)
     monkeypatch.setattr(parallel, "_choices", {})
-    timed = {"48x40@64": {"ms": {"gemm": 1.0, "onednn": 1.1, "torch": 1.5}},
-             "40x48@64": {"ms": {"gemm": 3.0, "onednn": 1.0, "torch": 2.0}}}
-    monkeypatch.setattr(cpu_tune, "tune", lambda key, work, budget: {
-        w.name: {"48x40@64": "gemm", "40x48@64": "onednn"}.get(w.name, w.default) for w in work})
+    # Cached per-shape picks that mix the families at 64 rows, with their timings.
+    timed = {"48x40@64": {"impl": "gemm", "ms": {"gemm": 1.0, "onednn": 1.1, "torch": 1.5}},
+             "40x48@64": {"impl": "onednn", "ms": {"gemm": 3.0, "onednn": 1.0, "torch": 2.0}}}
     monkeypatch.setattr(cpu_tune, "load_cache", lambda key: timed)
+    monkeypatch.setattr(cpu_tune, "save_cache", lambda key, choices: None)
     tuned = parallel.tune_linears([(w1, None), (w2, None)])
     assert tuned[(48, 40, torch.float32)][2] == tuned[(40, 48, torch.float32)][2] == "onednn"
 

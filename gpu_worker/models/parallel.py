@@ -176,11 +176,7 @@ def tune_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) ->
                         return run_linear(impl, x, w, b)
                 work.append(cpu_tune.Work(n, k, rows, {i: functools.partial(call, i) for i in names},
                                           _default_name(x, w, b)))
-        picked = cpu_tune.tune(key, work, cpu_tune.budget_s())
-        timed = cpu_tune.load_cache(key)
-        for rows in cpu_tune.BUCKETS:
-            if rows > GEMV_MAX_M:
-                picked = cpu_tune.one_family(picked, timed, [f"{n}x{k}@{rows}" for n, k, _ in shapes])
+        picked = cpu_tune.tune(key, work, cpu_tune.budget_s(), one_family_above=GEMV_MAX_M)
         for (n, k, _), (w, _b) in shapes.items():
             tuned[(n, k, dtype)] = tuple(picked[f"{n}x{k}@{rows}"] for rows in cpu_tune.BUCKETS)
             # The timed packings that lost: one weight's worth each, not kept.
