@@ -119,11 +119,13 @@ def route_while_a_is_busy(cluster, start_router, ids: list[int], **flags):
     plain = generate(a.address, ids)
     router = start_router(cluster["redis"].url, **flags)
     wait_for(lambda: labelled(router, "pagoda_router_live_workers") == 2, 15, "the router to see both workers")
-    time.sleep(1.5)                         # a snapshot period: the router holds A's blocks of `ids`
+    time.sleep(2.5)                         # two snapshot periods: the router holds A's blocks of `ids`
     busy = Busy(a.address)
     try:
         wait_for(lambda: load(a.address).waiting == WAIT, 30, "A's busy requests to queue")
-        time.sleep(0.3)                     # a heartbeat: the router has A's load
+        # Four heartbeats: the router has A's load (one, 0.3 s, was too little once in CI: routed to A).
+        # A stays loaded meanwhile: its 2 decodes of 900 tokens and 20 queued prompts take far longer.
+        time.sleep(1.0)
         routed = generate(router.address, ids)
     finally:
         busy.stop()
