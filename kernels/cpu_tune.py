@@ -11,7 +11,10 @@ times nothing, except a choice timed while the machine was oversubscribed (its l
 with it), which is timed again at a start at most half as busy.
 
 The tuning is bounded: each candidate runs once untimed (it packs its weight, warms caches),
-then at most MAX_REPS timed calls or MIN_SECONDS of them, the minimum kept; the work goes from
+then at most MAX_REPS timed calls or MIN_SECONDS of them, the minimum kept (a call of tens of
+microseconds is timed up to MAX_REPS times: at 3, noise decided between candidates tens of
+microseconds apart, and a 1-row 512x1408 fp32 linear on a quiet Zen 3 picked F.linear, which
+longer timings put 1.6x behind the C GEMV); the work goes from
 the cheapest (shape, bucket) up, and stops when the budget (PAGODA_CPU_TUNE_BUDGET_S, default
 3 s) would be overrun. What was not timed runs the default implementation this start and is
 timed at the next; a (shape, bucket) that alone would overrun the whole budget keeps the default
@@ -37,7 +40,7 @@ from pagoda.kernels.cpu_lib import cache_dir, env_number, library_key
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 8, 64, 256)     # a linear of m rows runs what was fastest at the first bucket >= m
-MAX_REPS = 3
+MAX_REPS = 20
 MIN_SECONDS = 0.03
 DEFAULT_BUDGET_S = 3.0
 FORMAT = 1                    # of the cache file; part of the key
@@ -185,8 +188,9 @@ def tune(key: dict, work: list[Work], budget: float, measure: Callable[[Callable
                 continue
             log.info("CPU linear %s rows<=%d: timed again (cached %s was timed at load %.1f per CPU, now %.1f)",
                      f"{w.n}x{w.k}", w.bucket, hit["impl"], hit["busy"], now_busy)
-        # Each candidate makes about two calls (an untimed one, then a timed one or more).
-        estimate = 2 * len(w.candidates) * w.flops / rate if rate else 0.0
+        # Each candidate makes an untimed call, then timed ones up to MAX_REPS or MIN_SECONDS.
+        t = w.flops / rate if rate else 0.0
+        estimate = len(w.candidates) * (t + min(MAX_REPS * t, MIN_SECONDS + t))
         if len(w.candidates) < 2 or estimate > budget:
             out[w.name] = w.default
             choices[w.name], fresh = {"impl": w.default, "ms": {}}, True

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.gpu_worker.models import parallel
-from pagoda.kernels import cpu_tune
+from pagoda.kernels import cpu_gemm, cpu_tune
 
 CPUINFO = "model name\t: Test CPU 9000\nflags\t\t: fpu sse avx2 fma\n"
 
@@ -243,3 +243,52 @@ def test_a_choice_timed_on_a_busy_machine_is_timed_again_when_quieter(cache):
     assert run(quiet_timings, 0.6) == {"64x32@1": "gemv"} and len(calls) == 2  # timed again
     calls.clear()
     assert run(busy_timings, 0.1) == {"64x32@1": "gemv"} and calls == []      # 0.6 per CPU: kept for good
+
+
+def test_measure_keeps_the_fastest_of_many_short_calls():
+    # A call of tens of microseconds is timed up to MAX_REPS times, and the fastest is kept: one
+    # late wake-up in a few reps must not decide the pick.
+    durations = iter([5e-3] + [80e-6] * 5 + [30e-6] + [90e-6] * 100)   # untimed call, then timed ones
+    now, calls = [0.0], [0]
+
+    def fn():
+        now[0] += next(durations)
+        calls[0] += 1
+    assert cpu_tune.measure(fn, clock=lambda: now[0]) == pytest.approx(30e-6)
+    assert calls[0] == 1 + cpu_tune.MAX_REPS
+    # A long call stops at MIN_SECONDS: two timed calls of 20 ms.
+    now[0], calls[0] = 0.0, 0
+    durations = iter([20e-3] * 100)
+    assert cpu_tune.measure(fn, clock=lambda: now[0]) == pytest.approx(20e-3)
+    assert calls[0] == 3
+
+
+@pytest.mark.parametrize("gemm", ["auto", "c", "onednn", "torch"])
+def test_model_load_packs_what_large_batches_will_run(monkeypatch, gemm):
+    # pack_linears at load makes every packing a batch past GEMV_MAX_M rows would make, so the
+    # first such batch packs nothing (a 0.5B model's first prefill used to repack 2 GB).
+    g = torch.Generator().manual_seed(2)
+    w1 = torch.nn.Parameter(torch.randn(48, 40, generator=g), requires_grad=False)
+    w2 = torch.nn.Parameter(torch.randn(40, 48, generator=g), requires_grad=False)
+    plain = torch.randn(24, 40, generator=g)          # not a parameter: packed per call, never kept
+    monkeypatch.setattr(parallel, "_CPU_GEMM", gemm)
+    monkeypatch.setattr(parallel, "_packs", {})
+    monkeypatch.setattr(parallel, "_choices", {(48, 40, torch.float32): ("gemv", "gemm", "onednn", "gemm"),
+                                               (40, 48, torch.float32): ("gemv", "gemv", "torch", "torch")})
+    made = parallel.pack_linears([(w1, None), (w2, None), (plain, None)])
+    onednn = parallel.onednn_takes(torch.float32)
+    want = {"auto": {(w1, "gemm"), (w1, "onednn")} if onednn else {(w1, "gemm")},
+            "c": {(w1, "gemm"), (w2, "gemm")},
+            "onednn": {(w1, "onednn"), (w2, "onednn")} if onednn else set(),
+            "torch": set()}[gemm]
+    fns = {cpu_gemm.pack: "gemm", parallel._onednn_layout: "onednn"}
+    got = {(w, fns[fn]) for w in (w1, w2) for (i, fn) in parallel._packs if i == id(w)}
+    assert got == want and made == len(want)
+    assert parallel.pack_linears([(w1, None), (w2, None)]) == 0      # packed once
+    before = dict(parallel._packs)
+    with torch.inference_mode():
+        for rows in (1, 8, 64, 256):
+            for w in (w1, w2):
+                x = torch.randn(rows, w.shape[1], generator=g)
+                torch.testing.assert_close(parallel.dense_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    assert parallel._packs == before                                   # no batch packed anything

@@ -27,6 +27,7 @@ from pagoda.gpu_worker.models.parallel import (
     current_shard,
     head_dim_of,
     local_heads,
+    pack_linears,
     parallel_logits,
     tune_linears,
 )
@@ -73,6 +74,7 @@ def use_fused_ops(model: nn.Module, backend: str) -> None:
         if getattr(model, "tie_word_embeddings", False) and embed is not None:
             linears.append((embed.weight, None))        # the LM head's weight
         tune_linears(linears)
+        pack_linears(linears)
 
 
 def rope_parameters(hf_config) -> dict:

@@ -187,6 +187,29 @@ def tune_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) ->
     return tuned
 
 
+def pack_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> int:
+    """Pack each CPU linear weight now, at model load, into the layout of every GEMM that _impl may
+    run it with (the C GEMM's panels, oneDNN's blocks), rather than in the first batch past
+    GEMV_MAX_M rows: a Qwen2.5-0.5B shape's 2 GB of fp32 linears took about a second there,
+    inside one request's time to first token. Weights _packed would not pack (not an
+    nn.Parameter, off the CPU) are skipped. Returns how many packings were made."""
+    made = 0
+    for w, b in weights:
+        if not (isinstance(w, nn.Parameter) and w.dim() == 2 and w.device.type == "cpu"
+                and w.dtype in _DTYPES and w.is_contiguous() and (b is None or b.dtype == w.dtype)):
+            continue
+        if _CPU_GEMM == "auto":     # what was picked per bucket; untuned: the C GEMM past GEMV_MAX_M rows
+            impls = set(_choices.get((w.shape[0], w.shape[1], w.dtype), ("gemm",)))
+        else:
+            impls = {"gemm"} if _CPU_GEMM == "c" else {"onednn"} if _CPU_GEMM == "onednn" else set()
+        for impl, fn in (("gemm", cpu_gemm.pack), ("onednn", _onednn_layout)):
+            if impl in impls and w.numel() > 0 and (
+                    cpu_lib.load_library() is not None if impl == "gemm" else onednn_takes(w.dtype)):
+                made += (id(w), fn) not in _packs
+                _packed(w, fn)
+    return made
+
+
 def _default_name(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """What _impl runs for an untuned shape."""
     if x.shape[0] <= GEMV_MAX_M and cpu_gemv.takes(x, weight, bias):
