@@ -43,7 +43,7 @@ BUCKETS = (1, 8, 64, 256)     # a linear of m rows runs what was fastest at the 
 MAX_REPS = 20
 MIN_SECONDS = 0.03
 DEFAULT_BUDGET_S = 3.0
-FORMAT = 1                    # of the cache file; part of the key
+FORMAT = 2                    # of the cache file and its timings; part of the key (2: MAX_REPS 3 -> 20)
 
 
 def bucket_index(rows: int) -> int:
