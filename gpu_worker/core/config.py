@@ -47,8 +47,9 @@ def parse_lora_modules(items) -> dict[str, str]:
 
 
 # CPU flags of native bf16 arithmetic: AVX512-BF16 dot products or AMX tiles (vLLM's CPU
-# backend decides on the same). Without them bf16 is converted to fp32 around every operation
-# and is slower than fp32 (bench/RESULTS.md, "bf16 on CPU").
+# backend decides on the same). Without them the kernels widen bf16 to fp32 by a shift: that can
+# still be faster than fp32 (half the bytes: a Zen 3 in bench/RESULTS.md), but auto does not give
+# up fp32's accuracy for it; --dtype bfloat16 does, by name.
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
