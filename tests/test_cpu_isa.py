@@ -29,28 +29,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pagoda.gpu_worker.core.config import cpu_flags
 from pagoda.kernels import cpu_lib
 
 CSRC = Path(cpu_lib.__file__).resolve().parent / "csrc"
 DRIVER = Path(__file__).resolve().parent / "csrc" / "kernel_check.c"
 CROSS = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
+CC = cpu_lib.compiler() or "cc"      # the one that builds the kernels' library
 # name -> (compiler, flags, how to run it)
 BUILDS = {
-    "x86-64 portable": ("cc", ["-O3"], []),
+    "x86-64 portable": (CC, ["-O3"], []),
     "aarch64 NEON (armv8.2-a+fp16)": (CROSS, ["-O3", "-march=armv8.2-a+fp16", "-static"], [QEMU]),
     "aarch64 SVE 256 (neoverse-v1)": (CROSS, ["-O3", "-mcpu=neoverse-v1", "-msve-vector-bits=256", "-static"],
                                       [QEMU, "-cpu", "max,sve256=on"]),
 }
-NATIVE = ("cc", ["-O3", "-march=native"], [])
+NATIVE = (CC, ["-O3", "-march=native"], [])
 RTOL, ATOL = 1e-5, 1e-6     # as shipped: a few fp32 roundings on values of order 1
-
-
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def run_build(tmp: Path, name: str, build: tuple[str, list[str], list[str]], contract: bool) -> dict[str, bytes]:
