@@ -1,8 +1,10 @@
 """A CPU worker's freed activations keep their pages (cpu_lib.keep_freed_memory): the next step's
 buffers of the same size fault nothing in, where glibc by default maps and unmaps every
 allocation over 32 MiB (a 0.5B model's prefill wrote 1.5 GB of fresh pages per step)."""
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from pagoda.kernels import cpu_lib
 
@@ -24,7 +26,6 @@ print(kept, touch())
 
 
 def second_touch(env_value: str) -> tuple[str, int]:
-    import os
     env = {**os.environ, "PAGODA_CPU_KEEP_FREED": env_value}
     out = subprocess.run([sys.executable, "-c", SECOND_TOUCH], env=env, capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
@@ -34,9 +35,12 @@ def second_touch(env_value: str) -> tuple[str, int]:
 def test_freed_activations_are_reused_without_page_faults():
     kept, faults = second_touch("1")
     assert kept == "True" and faults < 1000
-    # glibc's defaults (the opt-out): the same 64 MiB faults in again, page by page.
+    # glibc's defaults (the opt-out): the same 64 MiB faults in again, page by page (in 2 MiB
+    # pages where transparent huge pages are "always": then only the flag is checked).
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    huge = thp.exists() and "[always]" in thp.read_text()
     kept, faults = second_touch("0")
-    assert kept == "False" and faults > 8000
+    assert kept == "False" and (faults > 8000 or huge)
 
 
 def test_a_cpu_model_runner_sets_it(tiny_model, monkeypatch):
