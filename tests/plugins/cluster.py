@@ -309,13 +309,22 @@ def start_fake_worker(cluster_procs, tmp_path):
 def start_router(cluster_procs, tmp_path):
     def start(redis_url: str, **flags) -> Proc:
         from pagoda.clients.up import free_port
-        metrics_port = free_port()
-        # HTTP off unless a test asks (http_port=free_port()): the default 8000 would collide.
-        args = ["-m", "pagoda.router", "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_url,
-                "--metrics-port", str(metrics_port), "--http-port", str(flags.pop("http_port", 0))]
-        for k, v in flags.items():
-            args += ["--" + k.replace("_", "-"), str(v)]
-        return _spawn(args, tmp_path, "router", cluster_procs, metrics_port)
+        http_port = flags.pop("http_port", 0)
+        for attempt in range(3):
+            # A free port is free when chosen, not always when the router binds it (another
+            # process may take it between): a refusal naming the metrics port picks another.
+            metrics_port = free_port()
+            # HTTP off unless a test asks (http_port=free_port()): the default 8000 would collide.
+            args = ["-m", "pagoda.router", "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_url,
+                    "--metrics-port", str(metrics_port), "--http-port", str(http_port)]
+            for k, v in flags.items():
+                args += ["--" + k.replace("_", "-"), str(v)]
+            try:
+                return _spawn(args, tmp_path, "router", cluster_procs, metrics_port)
+            except RuntimeError as e:
+                if attempt == 2 or f"port {metrics_port} (--metrics-port)" not in str(e):
+                    raise
+        raise AssertionError("unreachable")
     return start
 
 
