@@ -195,8 +195,9 @@ def keep_freed_memory() -> bool:
         ok = libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW) == 1 and libc.mallopt(M_TRIM_THRESHOLD, KEEP_BELOW) == 1
     except (OSError, AttributeError):     # not glibc (musl has no mallopt)
         return False
-    log.info("CPU memory: allocations under %d MiB reuse freed heap pages (PAGODA_CPU_KEEP_FREED=0: "
-             "glibc's defaults)", KEEP_BELOW >> 20)
+    if ok:
+        log.info("CPU memory: allocations under %d MiB reuse freed heap pages (PAGODA_CPU_KEEP_FREED=0: "
+                 "glibc's defaults)", KEEP_BELOW >> 20)
     return ok
 
 

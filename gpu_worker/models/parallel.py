@@ -188,23 +188,19 @@ def tune_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) ->
 
 
 def pack_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> int:
-    """Pack each CPU linear weight now, at model load, into the layout of every GEMM that _impl may
-    run it with (the C GEMM's panels, oneDNN's blocks), rather than in the first batch past
-    GEMV_MAX_M rows: packing a Qwen2.5-0.5B shape's 2 GB of fp32 linears takes 1.2 s on a 2-core
-    Zen 3, which a server without a warm-up put inside one request's time to first token. Weights _packed would not pack (not an
-    nn.Parameter, off the CPU) are skipped. Returns how many packings were made."""
+    """Pack each CPU linear weight now, at model load, into the layout of every GEMM that _impl
+    will run it with at some row bucket (the C GEMM's panels, oneDNN's blocks), rather than in the
+    first batch past GEMV_MAX_M rows: packing a Qwen2.5-0.5B shape's 2 GB of fp32 linears takes
+    1.2 s on a 2-core Zen 3, which a server without a warm-up put inside one request's time to
+    first token. Only what _packed keeps (nn.Parameters) is packed. Returns how many packings
+    were made."""
     made = 0
     for w, b in weights:
-        if not (isinstance(w, nn.Parameter) and w.dim() == 2 and w.device.type == "cpu"
-                and w.dtype in _DTYPES and w.is_contiguous() and (b is None or b.dtype == w.dtype)):
+        if not (isinstance(w, nn.Parameter) and w.dim() == 2 and w.device.type == "cpu" and w.dtype in _DTYPES):
             continue
-        if _CPU_GEMM == "auto":     # what was picked per bucket; untuned: the C GEMM past GEMV_MAX_M rows
-            impls = set(_choices.get((w.shape[0], w.shape[1], w.dtype), ("gemm",)))
-        else:
-            impls = {"gemm"} if _CPU_GEMM == "c" else {"onednn"} if _CPU_GEMM == "onednn" else set()
+        impls = {_impl(torch.empty(rows, w.shape[1], dtype=w.dtype), w, b) for rows in cpu_tune.BUCKETS}
         for impl, fn in (("gemm", cpu_gemm.pack), ("onednn", _onednn_layout)):
-            if impl in impls and w.numel() > 0 and (
-                    cpu_lib.load_library() is not None if impl == "gemm" else onednn_takes(w.dtype)):
+            if impl in impls:
                 made += (id(w), fn) not in _packs
                 _packed(w, fn)
     return made
