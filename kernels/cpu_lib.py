@@ -173,34 +173,6 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-# glibc's mallopt parameters, and the size below which a CPU worker's allocations come from the heap.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-KEEP_BELOW = 1 << 30
-
-
-@functools.lru_cache(maxsize=1)
-def keep_freed_memory() -> bool:
-    """Make glibc serve allocations under KEEP_BELOW from its heap and keep what is freed there
-    (mallopt), so that a step's activations reuse the pages of the last step's. By default glibc
-    maps every allocation over 32 MiB afresh and unmaps it when freed: a 1,280-token prefill of a
-    0.5B model writes about 1.5 GB of activations (the MLP's 50 MB per layer), and faulting them
-    in page by page cost about a second of its 6-7 s on a 2-core Zen 3 (bench/RESULTS.md). The
-    price: the process keeps its peak heap (up to KEEP_BELOW of free space at its top) instead
-    of returning it. Once per process, CPU workers only (model_runner); PAGODA_CPU_KEEP_FREED=0
-    leaves glibc's defaults. True when set."""
-    if os.environ.get("PAGODA_CPU_KEEP_FREED", "1") == "0" or platform.system() != "Linux":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(M_MMAP_THRESHOLD, KEEP_BELOW) == 1 and libc.mallopt(M_TRIM_THRESHOLD, KEEP_BELOW) == 1
-    except (OSError, AttributeError):     # not glibc (musl has no mallopt)
-        return False
-    if ok:
-        log.info("CPU memory: allocations under %d MiB reuse freed heap pages (PAGODA_CPU_KEEP_FREED=0: "
-                 "glibc's defaults)", KEEP_BELOW >> 20)
-    return ok
-
-
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     """The built library, compiling it on first use; None (and one warning) when that fails."""

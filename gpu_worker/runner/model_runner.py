@@ -37,7 +37,6 @@ from pagoda.gpu_worker.runner.loader import load_hf_config, load_model, resolve_
 from pagoda.gpu_worker.runner.memory import cuda_graph_bytes, kv_budget_bytes, module_bytes, sampler_workspace_bytes
 from pagoda.gpu_worker.runner.sampler import Sampled, Sampler, uniforms
 from pagoda.gpu_worker.runner.warmup import WarmupStep, warmup_plan
-from pagoda.kernels import cpu_lib
 from pagoda.kernels.fp8 import kv_cache_dtype
 from pagoda.kernels.reference import new_kv_cache
 from pagoda.runtime.tokenization import PromptTokenizer
@@ -95,8 +94,6 @@ class ModelRunner:
         self.config = config
         self.shard = Shard(rank, config.tensor_parallel_size)
         self.device = distributed.local_device(config.resolved_device(), rank, self.shard.size)
-        if self.device.type == "cpu":
-            cpu_lib.keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # A hub id resolves to its snapshot in the HF cache (downloaded once, by rank 0 first).
