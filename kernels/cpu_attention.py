@@ -181,6 +181,26 @@ def _plan(tables: torch.Tensor, lens: np.ndarray, starts: np.ndarray, bs: int, h
     return _Plan(items, heads_per_item, prefix if groups else None, jobs)
 
 
+def step_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, hq: int,
+              hkv: int, d: int, bs: int, threads: int, gemm: bool, heads_per_item: int | None = None,
+              memo: dict | None = None) -> tuple[_Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's work for a layer shape (made once per step when `memo` is the step's memo), with
+    the block tables, lengths and query starts as the kernels read them (int32, contiguous).
+    gemm: whether plain attention may run as matrix products (gemm_attention_cpu.c)."""
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 \
+        else block_tables.to(torch.int32).contiguous()
+    lens_t = seq_lens.to(torch.int32).contiguous()
+    starts_t = query_start_loc.to(torch.int32).contiguous()
+    key = ("cpu_attention", hq, hkv, d, bs, threads, gemm, heads_per_item)
+    plan = memo.get(key) if memo is not None else None
+    if plan is None:
+        starts_np, lens_np = starts_t.numpy().astype(np.int64), lens_t.numpy().astype(np.int64)
+        plan = _plan(tables, lens_np, starts_np, bs, hq, hkv, d, threads, gemm, heads_per_item)
+        if memo is not None:
+            memo[key] = plan
+    return plan, tables, lens_t, starts_t
+
+
 class _Scratch(threading.local):
     buf: torch.Tensor | None = None
 
@@ -221,22 +241,13 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError("q/out: the head dimension must be contiguous")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache/v_cache: the head dimension must be contiguous")
-    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 \
-        else block_tables.to(torch.int32).contiguous()
-    lens_t = seq_lens.to(torch.int32).contiguous()
-    starts_t = query_start_loc.to(torch.int32).contiguous()
     hq, hkv, d, bs = q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
     threads = kernel_threads()
     # Matrix products only for plain attention: no window, cap or sinks (16-bit pools and queries
     # become fp32 as gemm_attention_cpu.c packs them).
     gemm = not (sliding_window or softcap or sinks is not None) and d % 16 == 0
-    key = ("cpu_attention", hq, hkv, d, bs, threads, gemm, heads_per_item)
-    plan = memo.get(key) if memo is not None else None
-    if plan is None:
-        starts_np, lens_np = starts_t.numpy().astype(np.int64), lens_t.numpy().astype(np.int64)
-        plan = _plan(tables, lens_np, starts_np, bs, hq, hkv, d, threads, gemm, heads_per_item)
-        if memo is not None:
-            memo[key] = plan
+    plan, tables, lens_t, starts_t = step_plan(block_tables, seq_lens, query_start_loc, hq, hkv, d, bs, threads,
+                                               gemm, heads_per_item, memo)
     lib = load_library()
     assert lib is not None      # supports() checked it
     part_o = part_ml = 0

@@ -12,13 +12,18 @@ activation dtype) so that the CPU fp32 path reproduces it.
 """
 from __future__ import annotations
 
+import logging
 import math
-from typing import cast
+import os
+import statistics
+import time
+from typing import Callable, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.gpu_worker.models import parallel
 from pagoda.gpu_worker.models.attention import AttentionMetadata, PagedAttention
 from pagoda.gpu_worker.models.parallel import (
     Linear,
@@ -31,8 +36,13 @@ from pagoda.gpu_worker.models.parallel import (
     parallel_logits,
     tune_linears,
 )
-from pagoda.kernels.cpu_ops import add_rms_norm_cpu, rotary_cpu, silu_mul_cpu
+from pagoda.kernels import cpu_attention, cpu_lib, cpu_tune
+from pagoda.kernels.cpu_decode import DecodeProgram, LayerTensors
+from pagoda.kernels.cpu_lib import GEMV_MAX_M, kernel_threads
+from pagoda.kernels.cpu_ops import add_rms_norm_cpu, rotary_cpu, silu_mul_cpu, write_kv_cache_cpu
 from pagoda.kernels.reference import add_rms_norm_ref, rotary_ref
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -75,6 +85,8 @@ def use_fused_ops(model: nn.Module, backend: str) -> None:
             linears.append((embed.weight, None))        # the LM head's weight
         tune_linears(linears)
         pack_linears(linears)
+        if isinstance(model, LlamaForCausalLM):
+            model.cpu_decode = CpuDecodeStep.for_model(model)
 
 
 def rope_parameters(hf_config) -> dict:
@@ -256,9 +268,18 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size // self.shard.size, bias=False)
+        # Decode steps of a few rows as one C call (use_fused_ops sets it with the cpu backend).
+        self.cpu_decode: CpuDecodeStep | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        if self.cpu_decode is not None:
+            return self.cpu_decode.forward(input_ids, positions, meta, self.forward_modules)
+        return self.forward_modules(input_ids, positions, meta)
+
+    def forward_modules(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """forward through the layers' modules (not the C decode step)."""
         h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             h, residual = layer(positions, h, residual, meta)
@@ -274,3 +295,173 @@ class LlamaForCausalLM(nn.Module):
     def decoder_layers(self) -> list[DecoderLayer]:
         # nn.ModuleList yields Modules to a type checker; these are the DecoderLayers built above.
         return cast(list[DecoderLayer], list(self.layers))
+
+
+class CpuDecodeStep:
+    """A LlamaForCausalLM's steps of 1 to GEMV_MAX_M rows as one call into the C kernels
+    (kernels/cpu_decode.py): the modules' kernels with their arguments, without the ~50 module
+    and ~40 ctypes calls between them (about 2 ms of a 5 ms one-sequence step of
+    bench/vs_vllm.py's tiny model on a 2-core Zen 3 and Zen 4).
+
+    Per row bucket (1 row; 2 to GEMV_MAX_M: cpu_tune.BUCKETS) each linear runs what the tuner
+    chose for it, the C GEMV or the C GEMM on its packed weight. Where every choice is one of
+    those, the step is the modules' to the bit and always taken. Where the tuner chose oneDNN or
+    F.linear for some linear, which C cannot call, the step runs the GEMV there instead, and
+    whether that beats the modules is measured on the bucket's first real steps: CALIBRATION
+    steps each way, alternating, the faster median kept (one log line).
+
+    A step comes here only if: no LoRA adapter hooks, no autograd, and its attention is
+    paged_attention_cpu.c alone (no cascade group or prefill chunk for gemm_attention_cpu.c). The
+    model must be plain: one rank, no q/k norm (Qwen3), C fused ops, Linear/RowParallelLinear
+    weights (not quantized), a cache of the model's dtype. Anything else runs the modules.
+    PAGODA_CPU_DECODE_STEP: auto (the default, as above), on (taken without measuring), off."""
+
+    CALIBRATION = 8
+    MODES = ("auto", "on", "off")
+
+    def __init__(self, model: LlamaForCausalLM, mode: str = "auto"):
+        self.model, self.mode = model, mode
+        self.layers = model.decoder_layers()
+        # per bucket: (tuning generation, the caches it was built for, program or None, exact)
+        self._built: dict[int, tuple[int, list, DecodeProgram | None, bool]] = {}
+        # per bucket: None while measuring, then whether the C step is used; the timings
+        self.use: dict[int, bool | None] = {}
+        self.timings: dict[int, tuple[list[float], list[float]]] = {}
+        self.steps = 0                                    # steps computed in C (tests, stats)
+
+    @classmethod
+    def for_model(cls, model: LlamaForCausalLM) -> CpuDecodeStep | None:
+        """One for `model`, or None (logged) when the model is not plain or it is turned off."""
+        mode = os.environ.get("PAGODA_CPU_DECODE_STEP", "auto")
+        if mode not in cls.MODES:
+            raise ValueError(f"PAGODA_CPU_DECODE_STEP: must be one of {', '.join(cls.MODES)} (got {mode!r})")
+        why = "PAGODA_CPU_DECODE_STEP=off" if mode == "off" else cls.refusal(model)
+        if why:
+            log.info("CPU decode step in C: off (%s)", why)
+            return None
+        return cls(model, mode)
+
+    @staticmethod
+    def refusal(model: LlamaForCausalLM) -> str | None:
+        """Why `model` cannot take the C decode step, or None."""
+        if model.shard.size != 1:
+            return "tensor parallel"
+        if not all(p.device.type == "cpu" for p in model.parameters()):
+            return "not on the CPU"
+        for layer in model.decoder_layers():
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qk_norm:
+                return "q/k norm"
+            if not (type(attn.qkv_proj) is Linear and type(attn.o_proj) is RowParallelLinear
+                    and type(mlp.gate_up_proj) is Linear and type(mlp.down_proj) is RowParallelLinear):
+                return "quantized or replaced linears"
+            if not (layer.input_layernorm.ops == layer.post_attention_layernorm.ops == mlp.ops
+                    == attn.rotary.ops == "cpu"):
+                return "not the C fused ops"
+            if attn.attn.softcap:
+                return "soft-capped attention"
+        return None
+
+    def _program(self, bucket: int) -> tuple[DecodeProgram | None, bool]:
+        """The bucket's C tables and whether they run the tuner's own choices (rebuilt when the
+        caches or the choices change); None when the caches or attention functions are not what
+        the C step runs."""
+        attns = [layer.self_attn.attn for layer in self.layers]
+        caches = [(a.k_cache, a.v_cache) for a in attns]
+        generation = parallel.tuning_generation()
+        built = self._built.get(bucket)
+        if built is not None and built[0] == generation and all(
+                k is bk and v is bv for (k, v), (bk, bv) in zip(caches, built[1])):
+            return built[2], built[3]
+        if built is not None and built[0] != generation:
+            self.use.pop(bucket, None)                  # new choices: measure again
+            self.timings.pop(bucket, None)
+        program, exact = self._build(bucket, attns, caches)
+        self._built[bucket] = (generation, caches, program, exact)
+        return program, exact
+
+    def _build(self, bucket: int, attns: list[PagedAttention], caches: list) -> tuple[DecodeProgram | None, bool]:
+        dtype = self.model.norm.weight.dtype
+        if any(k is None or v is None or k.dtype != dtype or v.dtype != dtype for k, v in caches) or any(
+                a.attend_fn is not cpu_attention.paged_attention_cpu or a.write_fn is not write_kv_cache_cpu
+                for a in attns):
+            return None, False
+        a0 = attns[0]
+        probe = torch.empty(1, a0.num_heads, a0.head_dim, dtype=dtype)
+        if not cpu_attention.supports(probe, cast(torch.Tensor, a0.k_cache)) or len({a.scale for a in attns}) != 1:
+            return None, False
+        rows = cpu_tune.BUCKETS[bucket]
+        exact = True
+
+        def packed(lin: Linear | RowParallelLinear) -> torch.Tensor | None:
+            nonlocal exact
+            impl = parallel.impl_for(rows, lin.weight, lin.bias)
+            exact = exact and impl in ("gemv", "gemm")
+            return parallel.gemm_packed(lin.weight) if impl == "gemm" else None
+        tables = []
+        for layer, a in zip(self.layers, attns):
+            attn, mlp = layer.self_attn, layer.mlp
+            tables.append(LayerTensors(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight, attn.o_proj.bias,
+                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
+                cast(torch.Tensor, a.k_cache), cast(torch.Tensor, a.v_cache), int(a.sliding_window or 0),
+                packed(attn.qkv_proj), packed(attn.o_proj), packed(mlp.gate_up_proj), packed(mlp.down_proj)))
+        cos, sin = self.layers[0].self_attn.rotary.table(torch.device("cpu"))
+        return DecodeProgram(tables, self.model.norm.weight, self.model.norm.eps, a0.scale, a0.num_heads,
+                             cos, sin), exact
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                modules: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]) -> torch.Tensor:
+        """The step's final hidden rows: in C when it may, else (or while measuring) `modules`."""
+        m = ids.shape[0]
+        if not 0 < m <= GEMV_MAX_M or torch.is_grad_enabled() or ids.device.type != "cpu":
+            return modules(ids, positions, meta)
+        first = self.layers[0]
+        if first.self_attn.lora_qkv is not None or first.self_attn.lora_o is not None \
+                or first.mlp.lora_gate_up is not None or first.mlp.lora_down is not None:
+            return modules(ids, positions, meta)
+        bucket = cpu_tune.bucket_index(m)
+        program, exact = self._program(bucket)
+        use = self.use.get(bucket, True if exact or self.mode == "on" else None)
+        if program is None or use is False:
+            return modules(ids, positions, meta)
+        a0 = first.self_attn.attn
+        _, bs, hkv, d = program.cache_shape
+        threads = kernel_threads()
+        plan, tables, lens, starts = cpu_attention.step_plan(
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, a0.num_heads, hkv, d, bs, threads,
+            d % 16 == 0, memo=meta.memo)
+        if plan.jobs is not None:
+            return modules(ids, positions, meta)
+        if use is None:
+            return self._measure(bucket, program, ids, positions, meta, modules, plan, tables, lens, starts)
+        return self._run(program, ids, positions, meta, plan, tables, lens, starts)
+
+    def _run(self, program: DecodeProgram, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+             plan, tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        if program.uses_gemm and not cpu_lib._spin_always:
+            cpu_lib.set_spin_always(True)       # as run_linear does before the pool's GEMM
+        pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
+            else positions.to(torch.int64).contiguous()
+        out = program.run(self.model.embed_tokens(ids), pos, meta.slot_mapping, tables, lens, starts, plan.items,
+                          plan.heads_per_item, kernel_threads())
+        self.steps += 1
+        return out
+
+    def _measure(self, bucket: int, program: DecodeProgram, ids, positions, meta, modules, plan, tables, lens,
+                 starts) -> torch.Tensor:
+        """One of the bucket's calibration steps: C and the modules by turns, timed."""
+        c_times, module_times = self.timings.setdefault(bucket, ([], []))
+        in_c = len(c_times) <= len(module_times)
+        start = time.perf_counter()
+        out = self._run(program, ids, positions, meta, plan, tables, lens, starts) if in_c \
+            else modules(ids, positions, meta)
+        (c_times if in_c else module_times).append(time.perf_counter() - start)
+        if len(module_times) >= self.CALIBRATION:
+            c_ms, module_ms = statistics.median(c_times) * 1e3, statistics.median(module_times) * 1e3
+            self.use[bucket] = c_ms < module_ms
+            log.info("CPU decode step in C, %s rows: C %.2f ms, modules %.2f ms (median of %d each): %s",
+                     "1" if bucket == 0 else f"2-{GEMV_MAX_M}", c_ms, module_ms, self.CALIBRATION,
+                     "C" if self.use[bucket] else "the modules")
+        return out

@@ -66,6 +66,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (out features, in features, dtype) -> the implementation per bucket of cpu_tune.BUCKETS.
 Choices = dict[tuple[int, int, torch.dtype], tuple[str, ...]]
 _choices: Choices = {}
+_generation = 0         # bumped whenever _choices changes (tuning_generation)
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,6 +102,22 @@ def _impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> s
     elif _CPU_GEMM == "torch":
         return "torch"
     return _default_name(x, weight, bias)
+
+
+def impl_for(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """Which of IMPLS dense_linear runs for `rows` rows of input against `weight` (CPU, no
+    autograd) as things stand: its answer changes only when tuning_generation() does."""
+    return _impl(torch.empty(rows, weight.shape[1], dtype=weight.dtype), weight, bias)
+
+
+def gemm_packed(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in the C GEMM's panel layout (kernels/cpu_gemm.py), packed once and kept."""
+    return _packed(weight, cpu_gemm.pack)
+
+
+def tuning_generation() -> int:
+    """A number that changes whenever tune_linears changes a choice."""
+    return _generation
 
 
 def run_linear(impl: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,7 +200,9 @@ def tune_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) ->
             for impl, fn in (("gemm", cpu_gemm.pack), ("onednn", _onednn_layout)):
                 if impl not in tuned[(n, k, dtype)]:
                     _packs.pop((id(w), fn), None)
+    global _generation
     _choices.update(tuned)
+    _generation += 1
     return tuned
 
 

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "convert.h"
+#include "entry_points.h"
 #include "gemm_micro.h"
 #include "thread_pool.h"
 

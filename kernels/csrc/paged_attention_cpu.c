@@ -19,6 +19,7 @@
 
 #include "attention_cpu.h"
 #include "convert.h"
+#include "entry_points.h"
 #include "thread_pool.h"
 #include "vec.h"
 

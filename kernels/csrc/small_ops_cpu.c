@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "convert.h"
+#include "entry_points.h"
 #include "thread_pool.h"
 #include "vec.h"
 
