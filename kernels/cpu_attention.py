@@ -181,6 +181,21 @@ def _plan(tables: torch.Tensor, lens: np.ndarray, starts: np.ndarray, bs: int, h
     return _Plan(items, heads_per_item, prefix if groups else None, jobs)
 
 
+def _small_plan(lens: list[int], starts: list[int], hq: int, hkv: int, threads: int,
+                heads_per_item: int | None) -> _Plan:
+    """_plan of a step with fewer than CASCADE_MIN_TOKENS query tokens (a decode of a few
+    sequences): no cascade group can form and no chunk is a prefill, so the plan is
+    paged_attention_cpu.c's items alone, one tile per sequence: the same items in the same order
+    as _items gives (the most keys first, ties in sequence order), without its numpy passes."""
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    if heads_per_item is None:
+        tiles = sum(1 for q in q_lens if q)
+        heads_per_item = hkv if hq * QTILE <= MAX_ROWS and tiles >= 4 * threads else 1
+    order = sorted((s for s, q in enumerate(q_lens) if q), key=lambda s: -(lens[s] * q_lens[s]))
+    items = np.array([s << 32 | h for s in order for h in range(hkv // heads_per_item)], dtype=np.int64)
+    return _Plan(items, heads_per_item, None, None)
+
+
 def step_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, hq: int,
               hkv: int, d: int, bs: int, threads: int, gemm: bool, heads_per_item: int | None = None,
               memo: dict | None = None) -> tuple[_Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,8 +209,11 @@ def step_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_lo
     key = ("cpu_attention", hq, hkv, d, bs, threads, gemm, heads_per_item)
     plan = memo.get(key) if memo is not None else None
     if plan is None:
-        starts_np, lens_np = starts_t.numpy().astype(np.int64), lens_t.numpy().astype(np.int64)
-        plan = _plan(tables, lens_np, starts_np, bs, hq, hkv, d, threads, gemm, heads_per_item)
+        if lens_t.shape[0] < CASCADE_MIN_TOKENS and (starts := starts_t.tolist())[-1] < CASCADE_MIN_TOKENS:
+            plan = _small_plan(lens_t.tolist(), starts, hq, hkv, threads, heads_per_item)
+        else:
+            starts_np, lens_np = starts_t.numpy().astype(np.int64), lens_t.numpy().astype(np.int64)
+            plan = _plan(tables, lens_np, starts_np, bs, hq, hkv, d, threads, gemm, heads_per_item)
         if memo is not None:
             memo[key] = plan
     return plan, tables, lens_t, starts_t

@@ -315,3 +315,27 @@ def test_16_bit_features(feature):
           "sinks": {"sinks": torch.randn(8, generator=gen)}}[feature]
     torch.testing.assert_close(paged_attention_cpu(**b, **kw).double(), dense_attention(b, **kw),
                                rtol=2.0 ** -8, atol=1e-5)
+
+
+def test_a_small_steps_plan_is_the_full_plans_without_numpy():
+    # _small_plan (fewer than CASCADE_MIN_TOKENS query tokens: a decode of a few sequences) gives
+    # the items _plan gives, in the same order, ties included
+    import random
+
+    import numpy as np
+    rng = random.Random(0)
+    for trial in range(300):
+        s = rng.randrange(1, cpu_attention.CASCADE_MIN_TOKENS)
+        q = [0] * s
+        for _ in range(rng.randrange(s, cpu_attention.CASCADE_MIN_TOKENS)):
+            q[rng.randrange(s)] += 1
+        lens = [qi + rng.choice([0, 5, 17, 17, 300]) for qi in q]
+        starts = [0, *np.cumsum(q).tolist()]
+        hq, hkv = rng.choice([(8, 2), (4, 4), (32, 8), (14, 2)])
+        threads, hpi = rng.choice([1, 2, 4]), rng.choice([None, None, 1])
+        tables = torch.zeros(s, 4, dtype=torch.int32)
+        want = cpu_attention._plan(tables, np.array(lens, np.int64), np.array(starts, np.int64), 16, hq, hkv, 64,
+                                   threads, True, hpi)
+        got = cpu_attention._small_plan(lens, starts, hq, hkv, threads, hpi)
+        assert want.jobs is None and want.prefix is None and got.heads_per_item == want.heads_per_item
+        assert got.items.tolist() == want.items.tolist(), (trial, q, lens)

@@ -322,8 +322,8 @@ class CpuDecodeStep:
     def __init__(self, model: LlamaForCausalLM, mode: str = "auto"):
         self.model, self.mode = model, mode
         self.layers = model.decoder_layers()
-        # per bucket: (tuning generation, the caches it was built for, program or None, exact)
-        self._built: dict[int, tuple[int, list, DecodeProgram | None, bool]] = {}
+        # per bucket: (tuning generation, the first layer's caches then, program or None, exact)
+        self._built: dict[int, tuple[int, tuple, DecodeProgram | None, bool]] = {}
         # per bucket: None while measuring, then whether the C step is used; the timings
         self.use: dict[int, bool | None] = {}
         self.timings: dict[int, tuple[list[float], list[float]]] = {}
@@ -366,18 +366,18 @@ class CpuDecodeStep:
         """The bucket's C tables and whether they run the tuner's own choices (rebuilt when the
         caches or the choices change); None when the caches or attention functions are not what
         the C step runs."""
-        attns = [layer.self_attn.attn for layer in self.layers]
-        caches = [(a.k_cache, a.v_cache) for a in attns]
+        a0 = self.layers[0].self_attn.attn
         generation = parallel.tuning_generation()
         built = self._built.get(bucket)
-        if built is not None and built[0] == generation and all(
-                k is bk and v is bv for (k, v), (bk, bv) in zip(caches, built[1])):
+        # the runner binds every layer's caches at once: the first layer's stand for all
+        if built is not None and built[0] == generation and a0.k_cache is built[1][0] and a0.v_cache is built[1][1]:
             return built[2], built[3]
         if built is not None and built[0] != generation:
             self.use.pop(bucket, None)                  # new choices: measure again
             self.timings.pop(bucket, None)
-        program, exact = self._build(bucket, attns, caches)
-        self._built[bucket] = (generation, caches, program, exact)
+        attns = [layer.self_attn.attn for layer in self.layers]
+        program, exact = self._build(bucket, attns, [(a.k_cache, a.v_cache) for a in attns])
+        self._built[bucket] = (generation, (a0.k_cache, a0.v_cache), program, exact)
         return program, exact
 
     def _build(self, bucket: int, attns: list[PagedAttention], caches: list) -> tuple[DecodeProgram | None, bool]:
@@ -435,27 +435,27 @@ class CpuDecodeStep:
         if plan.jobs is not None:
             return modules(ids, positions, meta)
         if use is None:
-            return self._measure(bucket, program, ids, positions, meta, modules, plan, tables, lens, starts)
-        return self._run(program, ids, positions, meta, plan, tables, lens, starts)
+            return self._measure(bucket, program, ids, positions, meta, modules, plan, tables, lens, starts, threads)
+        return self._run(program, ids, positions, meta, plan, tables, lens, starts, threads)
 
     def _run(self, program: DecodeProgram, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-             plan, tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+             plan, tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, threads: int) -> torch.Tensor:
         if program.uses_gemm and not cpu_lib._spin_always:
             cpu_lib.set_spin_always(True)       # as run_linear does before the pool's GEMM
         pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
             else positions.to(torch.int64).contiguous()
-        out = program.run(self.model.embed_tokens(ids), pos, meta.slot_mapping, tables, lens, starts, plan.items,
-                          plan.heads_per_item, kernel_threads())
+        h = F.embedding(ids, self.model.embed_tokens.weight)      # one rank: the whole vocabulary
+        out = program.run(h, pos, meta.slot_mapping, tables, lens, starts, plan.items, plan.heads_per_item, threads)
         self.steps += 1
         return out
 
     def _measure(self, bucket: int, program: DecodeProgram, ids, positions, meta, modules, plan, tables, lens,
-                 starts) -> torch.Tensor:
+                 starts, threads: int) -> torch.Tensor:
         """One of the bucket's calibration steps: C and the modules by turns, timed."""
         c_times, module_times = self.timings.setdefault(bucket, ([], []))
         in_c = len(c_times) <= len(module_times)
         start = time.perf_counter()
-        out = self._run(program, ids, positions, meta, plan, tables, lens, starts) if in_c \
+        out = self._run(program, ids, positions, meta, plan, tables, lens, starts, threads) if in_c \
             else modules(ids, positions, meta)
         (c_times if in_c else module_times).append(time.perf_counter() - start)
         if len(module_times) >= self.CALIBRATION:
