@@ -292,3 +292,50 @@ def test_model_load_packs_what_large_batches_will_run(monkeypatch, gemm):
                 x = torch.randn(rows, w.shape[1], generator=g)
                 torch.testing.assert_close(parallel.dense_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
     assert parallel._packs == before                                   # no batch packed anything
+
+
+def test_cold_timing_evicts_before_each_timed_call_untimed():
+    now, log = [0.0], []
+
+    def fn():
+        now[0] += 1e-4
+        log.append("call")
+
+    def before():
+        now[0] += 5e-3            # not counted in the call's time
+        log.append("evict")
+    assert cpu_tune.measure(fn, clock=lambda: now[0], before=before) == pytest.approx(1e-4)
+    assert log[:3] == ["call", "evict", "call"] and log.count("evict") == log.count("call") - 1
+    # the eviction buffer: twice the cache, made at the first call only
+    evict = cpu_tune.Evict(1 << 16)
+    assert evict.buf is None
+    evict()
+    assert evict.buf is not None and evict.buf.numel() * 4 == 2 << 16
+
+
+def test_llc_bytes_reads_the_highest_cache_level(tmp_path):
+    for i, (level, size) in enumerate([(1, "32K"), (2, "1024K"), (3, "32768K"), (1, "32K")]):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert cpu_tune.llc_bytes(str(tmp_path)) == 32 << 20
+    assert cpu_tune.llc_bytes(str(tmp_path / "missing")) == cpu_tune.DEFAULT_LLC_BYTES
+
+
+@pytest.mark.parametrize("llc", [1 << 10, 1 << 30])
+def test_decode_buckets_are_timed_cold_when_the_weights_outgrow_the_cache(cache, monkeypatch, llc):
+    w = torch.nn.Parameter(torch.randn(48, 40), requires_grad=False)
+    monkeypatch.setattr(parallel, "_choices", {})
+    monkeypatch.setattr(cpu_tune, "llc_bytes", lambda: llc)
+    seen: list[tuple[int, bool]] = []
+    real_tune = cpu_tune.tune
+
+    def tune(key, work, budget, **kw):
+        seen.extend((w.bucket, w.cold is not None) for w in work)
+        assert key["cold"] == (llc < 48 * 40 * 4)
+        return real_tune(key, work, budget, **kw)
+    monkeypatch.setattr(cpu_tune, "tune", tune)
+    parallel.tune_linears([(w, None)])
+    cold = llc < 48 * 40 * 4       # 7.5 KiB of weights
+    assert sorted(seen) == [(1, cold), (8, cold), (64, False), (256, False)]
