@@ -19,14 +19,6 @@ the cheapest (shape, bucket) up, and stops when the budget (PAGODA_CPU_TUNE_BUDG
 3 s) would be overrun. What was not timed runs the default implementation this start and is
 timed at the next; a (shape, bucket) that alone would overrun the whole budget keeps the default
 for good (cached as untimed).
-
-A decode step streams every weight from memory when the model's linears outweigh the last-level
-cache, and timing a call over and over on one weight measures a weight the cache holds instead:
-on a 2-core Zen 4 that picked oneDNN for a Qwen2.5-0.5B-shape 9728x896 bf16 linear at one row,
-which from memory the C GEMV runs 1.3x faster (bench/RESULTS.md). So where tune_linears finds the
-model's linear weights larger than the cache, the buckets of at most GEMV_MAX_M rows are timed
-cold: before each timed call a buffer of twice the cache's size is read (not timed), as a step's
-other weights would pass through the cache between two calls of one linear.
 """
 from __future__ import annotations
 
@@ -51,8 +43,7 @@ BUCKETS = (1, 8, 64, 256)     # a linear of m rows runs what was fastest at the 
 MAX_REPS = 20
 MIN_SECONDS = 0.03
 DEFAULT_BUDGET_S = 3.0
-FORMAT = 3                    # of the cache file and its timings; part of the key (3: cold decode buckets)
-DEFAULT_LLC_BYTES = 32 << 20  # when sysfs does not say
+FORMAT = 2                    # of the cache file and its timings; part of the key (2: MAX_REPS 3 -> 20)
 
 
 def bucket_index(rows: int) -> int:
@@ -91,13 +82,11 @@ def cpu_identity(cpuinfo: str | None = None) -> tuple[str, str]:
     return model or platform.processor() or platform.machine(), flags
 
 
-def cache_key(dtype: torch.dtype, shapes: list[tuple[int, int]], cpuinfo: str | None = None,
-              cold: bool = False) -> dict:
-    """cold: whether the decode buckets are timed cold (Evict)."""
+def cache_key(dtype: torch.dtype, shapes: list[tuple[int, int]], cpuinfo: str | None = None) -> dict:
     model, flags = cpu_identity(cpuinfo)
     return {"format": FORMAT, "cpu": model, "flags": flags, "dtype": str(dtype).replace("torch.", ""),
             "torch": torch.__version__, "kernels": library_key(), "threads": torch.get_num_threads(),
-            "shapes": sorted([list(s) for s in set(shapes)]), "cold": cold}
+            "shapes": sorted([list(s) for s in set(shapes)])}
 
 
 def cache_path(key: dict) -> Path:
@@ -129,45 +118,12 @@ def save_cache(key: dict, choices: dict[str, dict]) -> None:
         log.warning("CPU linear tuning: cannot write %s (%s); the choices are not cached", path, e)
 
 
-def llc_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
-    """The size of the last-level cache cpu0 sees (the highest level listed under sysfs)."""
-    best_level, size = 0, DEFAULT_LLC_BYTES
-    for index in Path(sysfs).glob("index*"):
-        try:
-            level = int((index / "level").read_text())
-            text = (index / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
-        digits = text.rstrip("KkMmGg")
-        if digits.isdigit() and level > best_level:
-            best_level, size = level, int(digits) * scale
-    return size
-
-
-class Evict:
-    """Reading it passes twice the last-level cache's bytes through the cache: what was there
-    before is gone (a decode step's other weights do the same between two calls of a linear)."""
-
-    def __init__(self, nbytes: int | None = None):
-        self.nbytes = 2 * (nbytes or llc_bytes())
-        self.buf: torch.Tensor | None = None       # made at the first call: nothing timed, nothing made
-
-    def __call__(self) -> None:
-        if self.buf is None:
-            self.buf = torch.ones(self.nbytes // 4, dtype=torch.float32)
-        self.buf.sum()
-
-
-def measure(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter,
-            before: Callable[[], object] | None = None) -> float:
+def measure(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds per call of fn: one untimed call, then the fastest of at most MAX_REPS calls
-    (fewer when they pass MIN_SECONDS together); `before` runs before each timed call, untimed."""
+    (fewer when they pass MIN_SECONDS together)."""
     fn()
     best, spent = float("inf"), 0.0
     for _ in range(MAX_REPS):
-        if before is not None:
-            before()
         t0 = clock()
         fn()
         dt = clock() - t0
@@ -185,7 +141,6 @@ class Work:
     bucket: int
     candidates: dict[str, Callable[[], object]]
     default: str             # what runs when it is not timed
-    cold: Callable[[], object] | None = None   # run before each timed call (Evict), untimed
 
     @property
     def name(self) -> str:
@@ -212,7 +167,7 @@ def stale(hit: dict, now_busy: float) -> bool:
     return then > 1.0 and now_busy < then / 2
 
 
-def tune(key: dict, work: list[Work], budget: float, measure: Callable[..., float] = measure,
+def tune(key: dict, work: list[Work], budget: float, measure: Callable[[Callable[[], object]], float] = measure,
          clock: Callable[[], float] = time.perf_counter, load: Callable[[], float] = busy,
          one_family_above: int | None = None) -> dict[str, str]:
     """The implementation for each work item's name: cached, timed now, or its default (untimed).
@@ -247,8 +202,7 @@ def tune(key: dict, work: list[Work], budget: float, measure: Callable[..., floa
             log.info("CPU linear %s rows<=%d: %s (untimed: tuning budget of %.1fs spent; timed at a later start)",
                      f"{w.n}x{w.k}", w.bucket, out[w.name], budget)
             continue
-        timings = {name: measure(fn) if w.cold is None else measure(fn, before=w.cold)
-                   for name, fn in w.candidates.items()}
+        timings = {name: measure(fn) for name, fn in w.candidates.items()}
         best = choose(timings)
         slowest = max(timings.values())
         if slowest > 0:

@@ -181,11 +181,7 @@ def tune_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) ->
         shapes = {key: wb for key, wb in by_shape.items() if key[2] == dtype}
         if not shapes:
             continue
-        # Weights past the last-level cache stream from memory in a decode step: time those
-        # buckets cold (cpu_tune.Evict); large batches reuse each weight across their rows.
-        total = sum(w.numel() * w.element_size() for w, _ in weights if w.dtype == dtype)
-        evict = cpu_tune.Evict() if total > cpu_tune.llc_bytes() else None
-        key = cpu_tune.cache_key(dtype, [(n, k) for n, k, _ in shapes], cold=evict is not None)
+        key = cpu_tune.cache_key(dtype, [(n, k) for n, k, _ in shapes])
         work, gen = [], torch.Generator().manual_seed(0)
         for (n, k, _), (w, b) in shapes.items():
             for rows in cpu_tune.BUCKETS:
@@ -196,7 +192,7 @@ def tune_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) ->
                     with torch.inference_mode():
                         return run_linear(impl, x, w, b)
                 work.append(cpu_tune.Work(n, k, rows, {i: functools.partial(call, i) for i in names},
-                                          _default_name(x, w, b), evict if rows <= GEMV_MAX_M else None))
+                                          _default_name(x, w, b)))
         picked = cpu_tune.tune(key, work, cpu_tune.budget_s(), one_family_above=GEMV_MAX_M)
         for (n, k, _), (w, _b) in shapes.items():
             tuned[(n, k, dtype)] = tuple(picked[f"{n}x{k}@{rows}"] for rows in cpu_tune.BUCKETS)
