@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import statistics
-import time
 from typing import Callable, cast
 
 import torch
@@ -304,19 +302,17 @@ class CpuDecodeStep:
     bench/vs_vllm.py's tiny model on a 2-core Zen 3 and Zen 4).
 
     Per row bucket (1 row; 2 to GEMV_MAX_M: cpu_tune.BUCKETS) each linear runs what the tuner
-    chose for it, the C GEMV or the C GEMM on its packed weight. Where every choice is one of
-    those, the step is the modules' to the bit and always taken. Where the tuner chose oneDNN or
-    F.linear for some linear, which C cannot call, the step runs the GEMV there instead, and
-    whether that beats the modules is measured on the bucket's first real steps: CALIBRATION
-    steps each way, alternating, the faster median kept (one log line).
+    chose for it, the C GEMV or the C GEMM on its packed weight, so the step is the modules' to the
+    bit: a request's tokens and logprobs never depend on which of the two ran it. Where the tuner
+    chose oneDNN or F.linear for some linear, which C cannot call, the bucket runs the modules;
+    PAGODA_CPU_DECODE_STEP=on runs it in C anyway, with the GEMV there (then the last bits differ
+    from the modules', the same for every step of the process), and off never uses it.
 
     A step comes here only if: no LoRA adapter hooks, no autograd, and its attention is
     paged_attention_cpu.c alone (no cascade group or prefill chunk for gemm_attention_cpu.c). The
     model must be plain: one rank, no q/k norm (Qwen3), C fused ops, Linear/RowParallelLinear
-    weights (not quantized), a cache of the model's dtype. Anything else runs the modules.
-    PAGODA_CPU_DECODE_STEP: auto (the default, as above), on (taken without measuring), off."""
+    weights (not quantized), a cache of the model's dtype. Anything else runs the modules."""
 
-    CALIBRATION = 8
     MODES = ("auto", "on", "off")
 
     def __init__(self, model: LlamaForCausalLM, mode: str = "auto"):
@@ -324,9 +320,6 @@ class CpuDecodeStep:
         self.layers = model.decoder_layers()
         # per bucket: (tuning generation, the first layer's caches then, program or None, exact)
         self._built: dict[int, tuple[int, tuple, DecodeProgram | None, bool]] = {}
-        # per bucket: None while measuring, then whether the C step is used; the timings
-        self.use: dict[int, bool | None] = {}
-        self.timings: dict[int, tuple[list[float], list[float]]] = {}
         self.steps = 0                                    # steps computed in C (tests, stats)
 
     @classmethod
@@ -372,9 +365,6 @@ class CpuDecodeStep:
         # the runner binds every layer's caches at once: the first layer's stand for all
         if built is not None and built[0] == generation and a0.k_cache is built[1][0] and a0.v_cache is built[1][1]:
             return built[2], built[3]
-        if built is not None and built[0] != generation:
-            self.use.pop(bucket, None)                  # new choices: measure again
-            self.timings.pop(bucket, None)
         attns = [layer.self_attn.attn for layer in self.layers]
         program, exact = self._build(bucket, attns, [(a.k_cache, a.v_cache) for a in attns])
         self._built[bucket] = (generation, (a0.k_cache, a0.v_cache), program, exact)
@@ -423,8 +413,7 @@ class CpuDecodeStep:
             return modules(ids, positions, meta)
         bucket = cpu_tune.bucket_index(m)
         program, exact = self._program(bucket)
-        use = self.use.get(bucket, True if exact or self.mode == "on" else None)
-        if program is None or use is False:
+        if program is None or not (exact or self.mode == "on"):
             return modules(ids, positions, meta)
         a0 = first.self_attn.attn
         _, bs, hkv, d = program.cache_shape
@@ -434,8 +423,6 @@ class CpuDecodeStep:
             d % 16 == 0, memo=meta.memo)
         if plan.jobs is not None:
             return modules(ids, positions, meta)
-        if use is None:
-            return self._measure(bucket, program, ids, positions, meta, modules, plan, tables, lens, starts, threads)
         return self._run(program, ids, positions, meta, plan, tables, lens, starts, threads)
 
     def _run(self, program: DecodeProgram, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -447,21 +434,4 @@ class CpuDecodeStep:
         h = F.embedding(ids, self.model.embed_tokens.weight)      # one rank: the whole vocabulary
         out = program.run(h, pos, meta.slot_mapping, tables, lens, starts, plan.items, plan.heads_per_item, threads)
         self.steps += 1
-        return out
-
-    def _measure(self, bucket: int, program: DecodeProgram, ids, positions, meta, modules, plan, tables, lens,
-                 starts, threads: int) -> torch.Tensor:
-        """One of the bucket's calibration steps: C and the modules by turns, timed."""
-        c_times, module_times = self.timings.setdefault(bucket, ([], []))
-        in_c = len(c_times) <= len(module_times)
-        start = time.perf_counter()
-        out = self._run(program, ids, positions, meta, plan, tables, lens, starts, threads) if in_c \
-            else modules(ids, positions, meta)
-        (c_times if in_c else module_times).append(time.perf_counter() - start)
-        if len(module_times) >= self.CALIBRATION:
-            c_ms, module_ms = statistics.median(c_times) * 1e3, statistics.median(module_times) * 1e3
-            self.use[bucket] = c_ms < module_ms
-            log.info("CPU decode step in C, %s rows: C %.2f ms, modules %.2f ms (median of %d each): %s",
-                     "1" if bucket == 0 else f"2-{GEMV_MAX_M}", c_ms, module_ms, self.CALIBRATION,
-                     "C" if self.use[bucket] else "the modules")
         return out
