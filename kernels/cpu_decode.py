@@ -2,15 +2,18 @@
 
 That C function runs every layer's kernels (RMSNorm, the GEMVs, rotary, the KV write, paged
 attention, SiLU * up) with the arguments the Python modules would pass them, so its output is
-theirs to the bit; what goes is the Python between them. A DecodeProgram holds the model's
-tables (weights, norm weights, caches, shapes) as the C structures, built once; run() takes one
-step's rows and attention work. pagoda.gpu_worker.models.llama decides which steps may come here.
+theirs to the bit; what goes is the Python between them. A linear the C code does not run
+(oneDNN, F.linear: the tuner's pick) is computed by the caller's function between two C calls, on
+the step's scratch buffers. A DecodeProgram holds the model's tables (weights, norm weights,
+caches, shapes) as the C structures, built once; run() takes one step's rows and attention work.
+pagoda.gpu_worker.models.llama decides which steps may come here.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 from dataclasses import dataclass
+from typing import Callable, cast
 
 import numpy as np
 import torch
@@ -20,10 +23,14 @@ from pagoda.kernels.cpu_lib import GEMV_MAX_M, KINDS, load_library
 i64, vp, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 WEIGHTS = ("ln1", "ln2", "w_qkv", "b_qkv", "w_o", "b_o", "w_gu", "b_gu", "w_down", "b_down")
 PACKED = ("p_qkv", "p_o", "p_gu", "p_down")      # each linear's weight packed for the GEMM, or the GEMV
+# decode_step_cpu.c's scratch buffers, in order; each linear's input and output among them
+BUFFERS = ("res_a", "res_b", "x", "qkv", "att", "gu", "act", "y")
+LINEAR_IO = (("x", "qkv"), ("att", "y"), ("x", "gu"), ("act", "y"))    # qkv, o, gate/up, down
 
 
 class DecodeLayer(ctypes.Structure):
-    _fields_ = [*((name, vp) for name in WEIGHTS + PACKED), ("k_cache", vp), ("v_cache", vp), ("window", i64)]
+    _fields_ = [*((name, vp) for name in WEIGHTS + PACKED), ("external", i64), ("k_cache", vp), ("v_cache", vp),
+                ("window", i64)]
 
 
 class DecodeModel(ctypes.Structure):
@@ -37,13 +44,14 @@ class DecodeModel(ctypes.Structure):
 class DecodeStep(ctypes.Structure):
     _fields_ = [("m", i64), ("h", vp), ("out", vp), ("pos", vp), ("slots", vp), ("bt", vp), ("bt_s", i64),
                 ("seq_lens", vp), ("qsl", vp), ("items", vp), ("n_items", i64), ("heads_per_item", i64),
-                ("scratch", vp), ("threads", i64)]
+                ("scratch", vp), ("threads", i64), ("next", i64), ("in_", vp), ("res", vp)]
 
 
 @dataclass
 class LayerTensors:
-    """One decoder layer as the C step reads it (biases None when the layer has none; a linear
-    whose packed weight is None runs the GEMV, else the GEMM on it: kernels/cpu_gemm.pack)."""
+    """One decoder layer as the C step reads it (biases None when the layer has none). Each linear
+    (0 qkv, 1 o, 2 gate/up, 3 down) runs the GEMV, or the GEMM on its packed weight where one is
+    given (kernels/cpu_gemm.pack), or the caller's function where its bit of `external` is set."""
     ln1: torch.Tensor
     ln2: torch.Tensor
     w_qkv: torch.Tensor
@@ -61,6 +69,7 @@ class LayerTensors:
     p_o: torch.Tensor | None = None
     p_gu: torch.Tensor | None = None
     p_down: torch.Tensor | None = None
+    external: int = 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,6 +83,8 @@ def _library() -> ctypes.CDLL | None:
     lib.decode_step_cpu.restype = ctypes.c_int
     lib.decode_step_scratch.argtypes = [ctypes.POINTER(DecodeModel), i64]
     lib.decode_step_scratch.restype = i64
+    lib.decode_step_offsets.argtypes = [ctypes.POINTER(DecodeModel), i64, ctypes.POINTER(i64)]
+    lib.decode_step_offsets.restype = None
     lib.decode_step_sizes.restype = i64
     sizes = lib.decode_step_sizes()
     want = ctypes.sizeof(DecodeModel) << 32 | ctypes.sizeof(DecodeLayer) << 16 | ctypes.sizeof(DecodeStep)
@@ -134,7 +145,8 @@ class DecodeProgram:
             return None if t is None else t.data_ptr()
         self._keep = (layers, final_norm, cos, sin)
         self._layers = (DecodeLayer * len(layers))(*(
-            DecodeLayer(*(ptr(getattr(layer, name)) for name in WEIGHTS + PACKED), layer.k_cache.data_ptr(),
+            DecodeLayer(*(ptr(getattr(layer, name)) for name in WEIGHTS + PACKED), int(layer.external),
+                        layer.k_cache.data_ptr(),
                         layer.v_cache.data_ptr(), int(layer.window)) for layer in layers))
         k_sb, k_st, k_sh, _ = first.k_cache.stride()
         v_sb, v_st, v_sh, _ = first.v_cache.stride()
@@ -145,16 +157,27 @@ class DecodeProgram:
         self.hidden = hidden
         self.uses_gemm = any(getattr(layer, name) is not None for layer in layers for name in PACKED)
         self.cache_shape = tuple(first.k_cache.shape)
+        self.widths = {"res_a": hidden, "res_b": hidden, "x": hidden, "qkv": (num_heads + 2 * hkv) * d,
+                       "att": num_heads * d, "gu": 2 * inter, "act": inter, "y": hidden}
+        self.external = any(layer.external for layer in layers)
         # Scratch for the most rows a step may have, made once (fresh pages fault on every step).
         self._scratch = torch.empty(self.lib.decode_step_scratch(ctypes.byref(self.model), GEMV_MAX_M), dtype=dtype)
 
+    def buffers(self, m: int) -> dict[str, torch.Tensor]:
+        """The scratch buffers of a step of m rows, as [m, width] views (decode_step_offsets)."""
+        off = (i64 * (len(BUFFERS) + 1))()
+        self.lib.decode_step_offsets(ctypes.byref(self.model), m, off)
+        return {name: self._scratch[off[i]:off[i] + m * self.widths[name]].view(m, self.widths[name])
+                for i, name in enumerate(BUFFERS)}
+
     def run(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
             seq_lens: torch.Tensor, starts: torch.Tensor, items: np.ndarray, heads_per_item: int,
-            threads: int) -> torch.Tensor:
+            threads: int, linear: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """The final norm's output [m, H] for embeddings h [m, H] (1..GEMV_MAX_M rows, contiguous,
         the model's dtype), positions and slots int64 [m], tables int32 [S, B] and seq_lens/starts
         int32, contiguous (kernels/cpu_attention.step_plan makes them), and paged_attention_cpu.c's
-        work items (the step's plan; it must have no gemm_attention jobs)."""
+        work items (the step's plan; it must have no gemm_attention jobs). linear(layer, which, x)
+        computes the layers' external linears (LayerTensors.external), x [m, in] -> [m, out]."""
         m = h.shape[0]
         if not (0 < m <= GEMV_MAX_M and h.shape == (m, self.hidden) and h.dtype == self.dtype and h.is_contiguous()):
             raise ValueError(f"h: want 1 to {GEMV_MAX_M} contiguous rows of {self.hidden} {self.dtype}, got "
@@ -174,7 +197,17 @@ class DecodeProgram:
         step = DecodeStep(m, h.data_ptr(), out.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                           tables.stride(0), seq_lens.data_ptr(), starts.data_ptr(), items.ctypes.data, len(items),
                           heads_per_item, self._scratch.data_ptr(), threads)
-        rc = self.lib.decode_step_cpu(ctypes.byref(self.model), ctypes.byref(step))
+        if self.external and linear is None:
+            raise ValueError("linear: the layers have external linears and no function computes them")
+        views = self.buffers(m) if self.external else {}
+        while True:
+            rc = self.lib.decode_step_cpu(ctypes.byref(self.model), ctypes.byref(step))
+            if rc or step.next < 0:
+                break
+            layer, which = divmod(step.next, 4)
+            src, dst = LINEAR_IO[which]
+            views[dst].copy_(cast(Callable, linear)(layer, which, views[src]))
+            step.next += 1
         if rc == 3:
             raise IndexError(f"positions: outside the rotary table's {self.model.n_pos} positions")
         if rc == 4:

@@ -302,37 +302,38 @@ class CpuDecodeStep:
     bench/vs_vllm.py's tiny model on a 2-core Zen 3 and Zen 4).
 
     Per row bucket (1 row; 2 to GEMV_MAX_M: cpu_tune.BUCKETS) each linear runs what the tuner
-    chose for it, the C GEMV or the C GEMM on its packed weight, so the step is the modules' to the
-    bit: a request's tokens and logprobs never depend on which of the two ran it. Where the tuner
-    chose oneDNN or F.linear for some linear, which C cannot call, the bucket runs the modules;
-    PAGODA_CPU_DECODE_STEP=on runs it in C anyway, with the GEMV there (then the last bits differ
-    from the modules', the same for every step of the process), and off never uses it.
+    chose for it, as in the modules: the C GEMV or the C GEMM on its packed weight inside the C
+    call, or oneDNN / F.linear, which C cannot call, from here between two C calls (the step
+    resumes after it). So the step is the modules' to the bit: a request's tokens and logprobs
+    never depend on which of the two ran it.
 
     A step comes here only if: no LoRA adapter hooks, no autograd, and its attention is
     paged_attention_cpu.c alone (no cascade group or prefill chunk for gemm_attention_cpu.c). The
     model must be plain: one rank, no q/k norm (Qwen3), C fused ops, Linear/RowParallelLinear
-    weights (not quantized), a cache of the model's dtype. Anything else runs the modules."""
+    weights (not quantized), a cache of the model's dtype. Anything else runs the modules.
+    PAGODA_CPU_DECODE_STEP=off never uses it."""
 
-    MODES = ("auto", "on", "off")
+    MODES = ("on", "off")
 
-    def __init__(self, model: LlamaForCausalLM, mode: str = "auto"):
-        self.model, self.mode = model, mode
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
         self.layers = model.decoder_layers()
-        # per bucket: (tuning generation, the first layer's caches then, program or None, exact)
-        self._built: dict[int, tuple[int, tuple, DecodeProgram | None, bool]] = {}
+        # per bucket: (tuning generation, the first layer's caches then, program or None, its
+        # function for the linears C does not run)
+        self._built: dict[int, tuple[int, tuple, DecodeProgram | None, Callable | None]] = {}
         self.steps = 0                                    # steps computed in C (tests, stats)
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> CpuDecodeStep | None:
         """One for `model`, or None (logged) when the model is not plain or it is turned off."""
-        mode = os.environ.get("PAGODA_CPU_DECODE_STEP", "auto")
+        mode = os.environ.get("PAGODA_CPU_DECODE_STEP", "on")
         if mode not in cls.MODES:
             raise ValueError(f"PAGODA_CPU_DECODE_STEP: must be one of {', '.join(cls.MODES)} (got {mode!r})")
         why = "PAGODA_CPU_DECODE_STEP=off" if mode == "off" else cls.refusal(model)
         if why:
             log.info("CPU decode step in C: off (%s)", why)
             return None
-        return cls(model, mode)
+        return cls(model)
 
     @staticmethod
     def refusal(model: LlamaForCausalLM) -> str | None:
@@ -355,10 +356,10 @@ class CpuDecodeStep:
                 return "soft-capped attention"
         return None
 
-    def _program(self, bucket: int) -> tuple[DecodeProgram | None, bool]:
-        """The bucket's C tables and whether they run the tuner's own choices (rebuilt when the
-        caches or the choices change); None when the caches or attention functions are not what
-        the C step runs."""
+    def _program(self, bucket: int) -> tuple[DecodeProgram | None, Callable | None]:
+        """The bucket's C tables and the function that computes its external linears (rebuilt when
+        the caches or the tuner's choices change); None when the caches or attention functions are
+        not what the C step runs."""
         a0 = self.layers[0].self_attn.attn
         generation = parallel.tuning_generation()
         built = self._built.get(bucket)
@@ -366,40 +367,47 @@ class CpuDecodeStep:
         if built is not None and built[0] == generation and a0.k_cache is built[1][0] and a0.v_cache is built[1][1]:
             return built[2], built[3]
         attns = [layer.self_attn.attn for layer in self.layers]
-        program, exact = self._build(bucket, attns, [(a.k_cache, a.v_cache) for a in attns])
-        self._built[bucket] = (generation, (a0.k_cache, a0.v_cache), program, exact)
-        return program, exact
+        program, linear = self._build(bucket, attns, [(a.k_cache, a.v_cache) for a in attns])
+        self._built[bucket] = (generation, (a0.k_cache, a0.v_cache), program, linear)
+        return program, linear
 
-    def _build(self, bucket: int, attns: list[PagedAttention], caches: list) -> tuple[DecodeProgram | None, bool]:
+    def _build(self, bucket: int, attns: list[PagedAttention],
+               caches: list) -> tuple[DecodeProgram | None, Callable | None]:
         dtype = self.model.norm.weight.dtype
         if any(k is None or v is None or k.dtype != dtype or v.dtype != dtype for k, v in caches) or any(
                 a.attend_fn is not cpu_attention.paged_attention_cpu or a.write_fn is not write_kv_cache_cpu
                 for a in attns):
-            return None, False
+            return None, None
         a0 = attns[0]
         probe = torch.empty(1, a0.num_heads, a0.head_dim, dtype=dtype)
         if not cpu_attention.supports(probe, cast(torch.Tensor, a0.k_cache)) or len({a.scale for a in attns}) != 1:
-            return None, False
+            return None, None
         rows = cpu_tune.BUCKETS[bucket]
-        exact = True
-
-        def packed(lin: Linear | RowParallelLinear) -> torch.Tensor | None:
-            nonlocal exact
-            impl = parallel.impl_for(rows, lin.weight, lin.bias)
-            exact = exact and impl in ("gemv", "gemm")
-            return parallel.gemm_packed(lin.weight) if impl == "gemm" else None
+        # (layer, linear) -> what the modules run there, for those C does not: oneDNN, F.linear
+        outside: dict[tuple[int, int], tuple[str, torch.Tensor, torch.Tensor | None]] = {}
         tables = []
-        for layer, a in zip(self.layers, attns):
+        for i, (layer, a) in enumerate(zip(self.layers, attns)):
             attn, mlp = layer.self_attn, layer.mlp
+            lins: tuple[Linear | RowParallelLinear, ...] = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            impls = [parallel.impl_for(rows, lin.weight, lin.bias) for lin in lins]
+            for j, (impl, lin) in enumerate(zip(impls, lins)):
+                if impl not in ("gemv", "gemm"):
+                    outside[(i, j)] = (impl, lin.weight, lin.bias)
+            packed = [parallel.gemm_packed(lin.weight) if impl == "gemm" else None for impl, lin in zip(impls, lins)]
             tables.append(LayerTensors(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight, attn.o_proj.bias,
                 mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
                 cast(torch.Tensor, a.k_cache), cast(torch.Tensor, a.v_cache), int(a.sliding_window or 0),
-                packed(attn.qkv_proj), packed(attn.o_proj), packed(mlp.gate_up_proj), packed(mlp.down_proj)))
+                p_qkv=packed[0], p_o=packed[1], p_gu=packed[2], p_down=packed[3],
+                external=sum(1 << j for (li, j) in outside if li == i)))
         cos, sin = self.layers[0].self_attn.rotary.table(torch.device("cpu"))
+
+        def linear(layer: int, which: int, x: torch.Tensor) -> torch.Tensor:
+            impl, weight, bias = outside[(layer, which)]
+            return parallel.run_linear(impl, x, weight, bias)
         return DecodeProgram(tables, self.model.norm.weight, self.model.norm.eps, a0.scale, a0.num_heads,
-                             cos, sin), exact
+                             cos, sin), linear if outside else None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 modules: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]) -> torch.Tensor:
@@ -412,8 +420,8 @@ class CpuDecodeStep:
                 or first.mlp.lora_gate_up is not None or first.mlp.lora_down is not None:
             return modules(ids, positions, meta)
         bucket = cpu_tune.bucket_index(m)
-        program, exact = self._program(bucket)
-        if program is None or not (exact or self.mode == "on"):
+        program, linear = self._program(bucket)
+        if program is None:
             return modules(ids, positions, meta)
         a0 = first.self_attn.attn
         _, bs, hkv, d = program.cache_shape
@@ -423,15 +431,12 @@ class CpuDecodeStep:
             d % 16 == 0, memo=meta.memo)
         if plan.jobs is not None:
             return modules(ids, positions, meta)
-        return self._run(program, ids, positions, meta, plan, tables, lens, starts, threads)
-
-    def _run(self, program: DecodeProgram, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-             plan, tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, threads: int) -> torch.Tensor:
         if program.uses_gemm and not cpu_lib._spin_always:
             cpu_lib.set_spin_always(True)       # as run_linear does before the pool's GEMM
         pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
             else positions.to(torch.int64).contiguous()
         h = F.embedding(ids, self.model.embed_tokens.weight)      # one rank: the whole vocabulary
-        out = program.run(h, pos, meta.slot_mapping, tables, lens, starts, plan.items, plan.heads_per_item, threads)
+        out = program.run(h, pos, meta.slot_mapping, tables, lens, starts, plan.items, plan.heads_per_item, threads,
+                          linear)
         self.steps += 1
         return out

@@ -2,8 +2,10 @@
  * residual), q/k/v linear, rotary, KV-cache write, paged attention, o linear, RMSNorm, gate/up
  * linear, SiLU * up and down linear, then the final norm, through the same entry points and with
  * the same arguments as the Python modules make them (gpu_worker/models/llama.py), so the result
- * is the same to the bit where the modules run the same linears. Each linear is the GEMV
- * (gemv_cpu.c) or, where its layer entry has a packed weight, the GEMM (gemm_cpu.c). What it saves
+ * is the same to the bit. Each linear is the GEMV (gemv_cpu.c), the GEMM (gemm_cpu.c) where its
+ * layer entry has a packed weight, or the caller's (oneDNN, F.linear: whatever the tuner chose that
+ * C cannot call): then the step returns naming that linear, its input in the scratch space, and
+ * the caller writes its output there and calls again to go on from the next stage. What it saves
  * is the Python between the kernels: at one sequence of the tiny model that was about 2 ms of a
  * 5 ms step (~47 module calls, ~40 ctypes calls, a tensor per op). gpu_worker/models/llama.py's
  * CpuDecodeStep decides when a step may come here (a few rows, no LoRA, one rank, a cache of the
@@ -24,6 +26,7 @@ typedef struct {
     const void *w_gu, *b_gu;           /* [2 I, H] */
     const void *w_down, *b_down;       /* [H, I] */
     const void *p_qkv, *p_o, *p_gu, *p_down;  /* the weights packed by gemm_pack, or NULL: the GEMV */
+    int64_t external;                  /* bit s set: linear s (0 qkv, 1 o, 2 gate/up, 3 down) is the caller's */
     void *k_cache, *v_cache;           /* [blocks, bs, hkv, D], the strides below */
     int64_t window;                    /* sliding window, 0: none */
 } DecodeLayer;
@@ -52,6 +55,10 @@ typedef struct {
     int64_t n_items, heads_per_item;
     void *scratch;                     /* decode_step_scratch(model, m) elements of `kind` */
     int64_t threads;
+    /* In: the stage to start from (0: a new step; 4 l + s resumes after layer l's linear s, which
+     * the caller computed). Out: the linear 4 l + s the caller must compute, or -1: done. */
+    int64_t next;
+    const void *in, *res;              /* where the stages left the layer input and the residual */
 } DecodeStep;
 
 /* y [m, n] = x [m, k] (row stride xs) times w [n, k]^T (+ b): the GEMM on `packed` where given */
@@ -61,62 +68,94 @@ static int linear(const void *x, int64_t xs, const void *w, const void *packed, 
                   : gemv_cpu(x, xs, w, k, b, y, n, m, k, n, threads, kind);
 }
 
-/* Elements of scratch space a step of m rows needs: two residual rows, the normed rows, q/k/v,
- * the attention output, gate/up, the activation and a linear's output. */
+/* The scratch space of a step of m rows, as element offsets: two residual rows, the normed rows,
+ * q/k/v, the attention output, gate/up, the activation and a linear's output (each [m, its width],
+ * starting on 64 bytes as torch's own tensors do), then the total. */
+enum { RES_A, RES_B, X, QKV, ATT, GU, ACT, Y, N_BUFFERS };
+
+void decode_step_offsets(const DecodeModel *md, int64_t m, int64_t *off) {
+    const int64_t H = md->hidden, D = md->head_dim, align = 64 / kind_size((int)md->kind);
+    const int64_t width[N_BUFFERS] = {H, H, H, (md->hq + 2 * md->hkv) * D, md->hq * D, 2 * md->inter, md->inter, H};
+    off[0] = 0;
+    for (int b = 0; b < N_BUFFERS; b++) off[b + 1] = off[b] + (m * width[b] + align - 1) / align * align;
+}
+
 int64_t decode_step_scratch(const DecodeModel *md, int64_t m) {
-    const int64_t H = md->hidden, D = md->head_dim;
-    return m * (4 * H + (md->hq + 2 * md->hkv) * D + md->hq * D + 3 * md->inter);
+    int64_t off[N_BUFFERS + 1];
+    decode_step_offsets(md, m, off);
+    return off[N_BUFFERS];
 }
 
 int64_t decode_step_sizes(void) { return (int64_t)sizeof(DecodeModel) << 32 | sizeof(DecodeLayer) << 16 | sizeof(DecodeStep); }
 
-/* Returns 0, or the first kernel's refusal: 1 shapes, 2 out of memory, 3 a position outside the
- * rotary table, 4 a slot past the cache (nothing of that layer written then). */
-int decode_step_cpu(const DecodeModel *md, const DecodeStep *st) {
+/* Returns 0 (st->next says whether a linear of the caller's comes next), or the first kernel's
+ * refusal: 1 shapes, 2 out of memory, 3 a position outside the rotary table, 4 a slot past the
+ * cache (nothing of that layer written then). */
+int decode_step_cpu(const DecodeModel *md, DecodeStep *st) {
     const int m = (int)st->m, H = (int)md->hidden, hq = (int)md->hq, hkv = (int)md->hkv, D = (int)md->head_dim;
     const int I = (int)md->inter, kind = (int)md->kind, threads = (int)st->threads;
     const int nqkv = (hq + 2 * hkv) * D, es = kind_size(kind);
+    int64_t off[N_BUFFERS + 1];
+    decode_step_offsets(md, m, off);
     char *s = (char *)st->scratch;
-    char *res_a = s, *res_b = res_a + (int64_t)m * H * es, *x = res_b + (int64_t)m * H * es;
-    char *qkv = x + (int64_t)m * H * es, *att = qkv + (int64_t)m * nqkv * es;
-    char *gu = att + (int64_t)m * hq * D * es, *act = gu + (int64_t)m * 2 * I * es;
-    char *y = act + (int64_t)m * I * es;
+    char *res_a = s + off[RES_A] * es, *res_b = s + off[RES_B] * es, *x = s + off[X] * es;
+    char *qkv = s + off[QKV] * es, *att = s + off[ATT] * es, *gu = s + off[GU] * es;
+    char *act = s + off[ACT] * es, *y = s + off[Y] * es;
     char *k = qkv + (int64_t)hq * D * es, *v = k + (int64_t)hkv * D * es;
-    const void *in = st->h;            /* this layer's input: the embeddings, then each MLP's output */
-    const void *res = NULL;            /* the residual stream before it (none before layer 0) */
+    int64_t p = st->next;
+    if (p <= 0) {
+        p = 0;
+        st->in = st->h;                /* the layer input: the embeddings, then each MLP's output */
+        st->res = NULL;                /* the residual stream before it (none before layer 0) */
+    }
     int rc;
-    for (int64_t l = 0; l < md->n_layers; l++) {
-        const DecodeLayer *L = &md->layers[l];
-        /* x, res = input_layernorm(in, res): the new residual is in + res, or `in` itself at first */
-        char *res_in = res ? (res == res_a ? res_b : res_a) : NULL;
-        if ((rc = add_rms_norm_f32(in, H, res, H, L->ln1, md->eps, x, H, res_in ? res_in : (void *)in, H, m, H,
-                                   kind, threads))) return rc;
-        res = res_in ? res_in : in;
-        if ((rc = linear(x, H, L->w_qkv, L->p_qkv, L->b_qkv, qkv, m, H, nqkv, threads, kind))) return rc;
-        if ((rc = rotary_neox_f32(st->pos, qkv, nqkv, D, hq, k, nqkv, D, hkv, md->cos_t, md->sin_t, md->cs_st,
-                                  md->n_pos, m, D, kind, threads))) return rc == 2 ? 3 : rc;
-        if ((rc = write_kv_f32(k, nqkv, D, v, nqkv, D, L->k_cache, md->k_sb, md->k_st, md->k_sh, L->v_cache,
-                               md->v_sb, md->v_st, md->v_sh, st->slots, md->n_slots, m, hkv, D,
-                               (int)md->block_size, kind, threads))) return rc == 1 ? 4 : 1;
-        if ((rc = paged_attention_cpu(qkv, nqkv, D, att, (int64_t)hq * D, D, L->k_cache, md->k_sb, md->k_st,
-                                      md->k_sh, L->v_cache, md->v_sb, md->v_st, md->v_sh, st->bt, st->bt_s,
-                                      st->seq_lens, st->qsl, NULL, NULL, NULL, NULL, hq, hkv, D,
-                                      (int)md->block_size, (int)L->window, md->scale, 0.0f,
-                                      (int)st->heads_per_item, st->items, st->n_items, kind, threads, 1)))
-            return rc;
-        if ((rc = linear(att, (int64_t)hq * D, L->w_o, L->p_o, L->b_o, y, m, hq * D, H, threads, kind))) return rc;
-        /* x, res = post_attention_layernorm(y, res) */
-        char *res_out = res == res_a ? res_b : res_a;
-        if ((rc = add_rms_norm_f32(y, H, res, H, L->ln2, md->eps, x, H, res_out, H, m, H, kind, threads)))
-            return rc;
-        res = res_out;
-        if ((rc = linear(x, H, L->w_gu, L->p_gu, L->b_gu, gu, m, H, 2 * I, threads, kind))) return rc;
-        if ((rc = silu_mul_f32(gu, 2 * I, act, I, m, I, kind, threads))) return rc;
-        if ((rc = linear(act, I, L->w_down, L->p_down, L->b_down, y, m, I, H, threads, kind))) return rc;
-        in = y;
+    for (; p < 4 * md->n_layers; p++) {
+        const DecodeLayer *L = &md->layers[p >> 2];
+        const int stage = (int)(p & 3), mine = !((L->external >> stage) & 1);
+        const void *res = st->res;
+        char *res_new = res == res_a ? res_b : res_a;
+        switch (stage) {
+        case 0:     /* x, res = input_layernorm(in, res); qkv = x W_qkv^T (+ b) */
+            if ((rc = add_rms_norm_f32(st->in, H, res, H, L->ln1, md->eps, x, H, res ? res_new : (void *)st->in, H,
+                                       m, H, kind, threads))) return rc;
+            st->res = res ? res_new : st->in;
+            if (mine && (rc = linear(x, H, L->w_qkv, L->p_qkv, L->b_qkv, qkv, m, H, nqkv, threads, kind))) return rc;
+            break;
+        case 1:     /* rotary, the KV write, attention; y = att W_o^T */
+            if ((rc = rotary_neox_f32(st->pos, qkv, nqkv, D, hq, k, nqkv, D, hkv, md->cos_t, md->sin_t, md->cs_st,
+                                      md->n_pos, m, D, kind, threads))) return rc == 2 ? 3 : rc;
+            if ((rc = write_kv_f32(k, nqkv, D, v, nqkv, D, L->k_cache, md->k_sb, md->k_st, md->k_sh, L->v_cache,
+                                   md->v_sb, md->v_st, md->v_sh, st->slots, md->n_slots, m, hkv, D,
+                                   (int)md->block_size, kind, threads))) return rc == 1 ? 4 : 1;
+            if ((rc = paged_attention_cpu(qkv, nqkv, D, att, (int64_t)hq * D, D, L->k_cache, md->k_sb, md->k_st,
+                                          md->k_sh, L->v_cache, md->v_sb, md->v_st, md->v_sh, st->bt, st->bt_s,
+                                          st->seq_lens, st->qsl, NULL, NULL, NULL, NULL, hq, hkv, D,
+                                          (int)md->block_size, (int)L->window, md->scale, 0.0f,
+                                          (int)st->heads_per_item, st->items, st->n_items, kind, threads, 1)))
+                return rc;
+            if (mine && (rc = linear(att, (int64_t)hq * D, L->w_o, L->p_o, L->b_o, y, m, hq * D, H, threads, kind)))
+                return rc;
+            break;
+        case 2:     /* x, res = post_attention_layernorm(y, res); gate/up = x W_gu^T */
+            if ((rc = add_rms_norm_f32(y, H, res, H, L->ln2, md->eps, x, H, res_new, H, m, H, kind, threads)))
+                return rc;
+            st->res = res_new;
+            if (mine && (rc = linear(x, H, L->w_gu, L->p_gu, L->b_gu, gu, m, H, 2 * I, threads, kind))) return rc;
+            break;
+        default:    /* act = SiLU(gate) * up; the next layer's input y = act W_down^T */
+            if ((rc = silu_mul_f32(gu, 2 * I, act, I, m, I, kind, threads))) return rc;
+            if (mine && (rc = linear(act, I, L->w_down, L->p_down, L->b_down, y, m, I, H, threads, kind))) return rc;
+            st->in = y;
+            break;
+        }
+        if (!mine) {
+            st->next = p;
+            return 0;
+        }
     }
     /* the final norm; its residual sum goes to whichever residual row is free */
-    char *res_out = res == res_a ? res_b : res_a;
-    return add_rms_norm_f32(in, H, res, H, md->final_norm, md->eps, st->out, H, res ? (void *)res_out : (void *)in,
-                            H, m, H, kind, threads);
+    const void *res = st->res;
+    st->next = -1;
+    return add_rms_norm_f32(st->in, H, res, H, md->final_norm, md->eps, st->out, H,
+                            res ? (void *)(res == res_a ? res_b : res_a) : (void *)st->in, H, m, H, kind, threads);
 }
