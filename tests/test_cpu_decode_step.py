@@ -128,12 +128,17 @@ def test_cascade_attention_steps_go_to_the_modules(tiny_model_factory):
 
 
 def choose(monkeypatch, runner, impls, only=None):
-    """The tuner's choices for the runner's layer linears (or one of them): `impls` per bucket."""
+    """The tuner's choices for the runner's layer linears: `impls` per bucket for all, or for the
+    linear `only` with the C GEMV (1 row) and GEMM (more) for the others (whatever earlier tests
+    of this process tuned for these shapes)."""
     monkeypatch.setattr(parallel, "_CPU_GEMM", "auto")
     for layer in runner.model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if only is None or lin is only:
-                monkeypatch.setitem(parallel._choices, (*lin.weight.shape, lin.weight.dtype), impls)
+            if only is None or lin is not only:
+                base = impls if only is None else ("gemv", "gemm", "gemm", "gemm")
+                monkeypatch.setitem(parallel._choices, (*lin.weight.shape, lin.weight.dtype), base)
+    if only is not None:
+        monkeypatch.setitem(parallel._choices, (*only.weight.shape, only.weight.dtype), impls)
     monkeypatch.setattr(parallel, "_generation", parallel._generation + 1)
 
 
@@ -152,7 +157,7 @@ def test_linears_c_cannot_run_run_between_c_calls(tiny_model_factory, monkeypatc
     runner = make_runner(tiny_model_factory(family))
     seqs = Seqs(runner, 3, 12, seed=7)
     step = runner.model.cpu_decode
-    # F.linear for one linear at 2-8 rows: the step stops before it, the modules' F.linear runs
+    # F.linear for the down projections at 2-8 rows: the step stops before each, the modules' F.linear runs
     # it, the step goes on; still the modules' bits
     choose(monkeypatch, runner, ("gemv", "torch", "torch", "torch"), only=runner.model.layers[1].mlp.down_proj)
     assert step._program(0)[1] is None and step._program(1)[1] is not None

@@ -30,6 +30,7 @@ FLAGS = dict(num_kv_blocks=512, block_size=BLOCK, max_model_len=1024, max_num_se
 # The router drains a reported queue at the prefill rate until the next report (a heartbeat): 20k
 # tokens stay queued in its view for longer than that.
 RUN, WAIT = 2, 20
+STEP_DELAY_S = 0.004       # A's least step time: its 900-token decodes take 3.6 s at least
 
 
 def prompt(seed: int) -> list[int]:
@@ -106,9 +107,12 @@ def load(address: str) -> pb.LoadReport:
 @pytest.fixture(scope="module")
 def cluster(tiny_model, redis_server_module, start_worker_module):
     url = redis_server_module.url
+    # A's steps take at least STEP_DELAY_S, so that its 2 long decodes outlast the test's waits
+    # however fast a decode step of this tiny model becomes (the C decode step made them 2x faster).
     with ThreadPoolExecutor(2) as pool:
-        a, b = pool.map(lambda w: start_worker_module(tiny_model, redis_url=url, worker_id=w, timeout=240, **FLAGS),
-                        ("wa", "wb"))
+        a, b = pool.map(lambda w: start_worker_module(
+            tiny_model, redis_url=url, worker_id=w, timeout=240, **FLAGS,
+            env={"PAGODA_TEST_STEP_DELAY_S": str(STEP_DELAY_S)} if w == "wa" else None), ("wa", "wb"))
     return dict(redis=redis_server_module, a=a, b=b)
 
 
