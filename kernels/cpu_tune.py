@@ -3,7 +3,9 @@
 At model load (pagoda.gpu_worker.models.parallel.tune_linears) every candidate that takes a linear
 shape of the model (the C GEMV and GEMM, oneDNN's prepacked matmul, plain F.linear) is timed at a
 few row counts, the bucket ceilings of BUCKETS, and the fastest is kept per (shape, bucket): no
-rule of thumb from the developer's CPU decides. Choices are cached as JSON beside the kernel
+rule of thumb from the developer's CPU decides. (At 1 and 8 rows only the kernels' pool's GEMV
+and GEMM are candidates: a small step keeps that pool spinning, beside which OpenMP's threads
+lose what they win alone; parallel.tune_linears says more.) Choices are cached as JSON beside the kernel
 cache (cpu_lib.cache_dir), under a key of everything the timings depend on: the CPU's model name
 and flags, the dtype, torch's version, the C kernels' build (their sources: a kernel changed or
 added is timed again) and the model's linear shapes. A start whose key is cached
@@ -43,7 +45,7 @@ BUCKETS = (1, 8, 64, 256)     # a linear of m rows runs what was fastest at the 
 MAX_REPS = 20
 MIN_SECONDS = 0.03
 DEFAULT_BUDGET_S = 3.0
-FORMAT = 2                    # of the cache file and its timings; part of the key (2: MAX_REPS 3 -> 20)
+FORMAT = 3                    # of the cache file; part of the key (2: MAX_REPS 3 -> 20; 3: small buckets pool-only)
 
 
 def bucket_index(rows: int) -> int:

@@ -149,6 +149,8 @@ def test_tune_linears_installs_the_measured_choices(cache, monkeypatch, dtype):
     picks = tuned[(48, 40, dtype)]
     assert len(picks) == len(cpu_tune.BUCKETS) and set(picks) <= set(parallel.IMPLS)
     assert picks[2] != "gemv" and picks[3] != "gemv"          # past 8 rows the GEMV does not apply
+    # up to 8 rows, a step keeps the pool spinning: only its kernels are candidates
+    assert picks[0] in cpu_tune.POOL_IMPLS and picks[1] in cpu_tune.POOL_IMPLS
     for rows, pick in zip((1, 8, 64, 256), picks):
         assert parallel._impl(torch.randn(rows, 40).to(dtype), w, b) == pick
     assert list(cache.glob("linear-choices-*.json"))
@@ -292,3 +294,21 @@ def test_model_load_packs_what_large_batches_will_run(monkeypatch, gemm):
                 x = torch.randn(rows, w.shape[1], generator=g)
                 torch.testing.assert_close(parallel.dense_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
     assert parallel._packs == before                                   # no batch packed anything
+
+
+def test_small_buckets_time_only_the_pools_kernels(cache, monkeypatch):
+    # a step of at most 8 rows keeps the kernels' pool spinning: OpenMP's threads (oneDNN, F.linear)
+    # are no candidates there, whatever they would win alone; above, all are
+    w = torch.nn.Parameter(torch.randn(48, 40), requires_grad=False)
+    monkeypatch.setattr(parallel, "_choices", {})
+    seen: dict[int, set[str]] = {}
+    real_tune = cpu_tune.tune
+
+    def tune(key, work, budget, **kw):
+        for item in work:
+            seen[item.bucket] = set(item.candidates)
+        return real_tune(key, work, budget, **kw)
+    monkeypatch.setattr(cpu_tune, "tune", tune)
+    parallel.tune_linears([(w, None)])
+    assert seen[1] == {"gemv", "gemm"} and seen[8] == {"gemv", "gemm"}
+    assert {"gemm", "torch"} <= seen[64] and {"gemm", "torch"} <= seen[256]

@@ -186,7 +186,12 @@ def tune_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) ->
         for (n, k, _), (w, b) in shapes.items():
             for rows in cpu_tune.BUCKETS:
                 x = torch.randn(rows, k, generator=gen).to(dtype)
-                names = _candidates(x, w, b)
+                # A step of at most GEMV_MAX_M rows keeps the kernels' pool spinning from one
+                # kernel to the next (cpu_lib.py): oneDNN's or F.linear's OpenMP threads would share
+                # the cores with the spinners and sleep between their calls. Timed alone they can
+                # win; in such a step they lost 5x (bench/RESULTS.md, "small steps"). Only the
+                # pool's own kernels are candidates there.
+                names = [n for n in _candidates(x, w, b) if rows > GEMV_MAX_M or n in cpu_tune.POOL_IMPLS]
 
                 def call(impl: str, x: torch.Tensor = x, w: torch.Tensor = w, b: torch.Tensor | None = b):
                     with torch.inference_mode():
