@@ -160,15 +160,18 @@ class DecodeProgram:
         self.widths = {"res_a": hidden, "res_b": hidden, "x": hidden, "qkv": (num_heads + 2 * hkv) * d,
                        "att": num_heads * d, "gu": 2 * inter, "act": inter, "y": hidden}
         self.external = any(layer.external for layer in layers)
+        self._views: dict[int, dict[str, torch.Tensor]] = {}     # buffers(m), made once per m
         # Scratch for the most rows a step may have, made once (fresh pages fault on every step).
         self._scratch = torch.empty(self.lib.decode_step_scratch(ctypes.byref(self.model), GEMV_MAX_M), dtype=dtype)
 
     def buffers(self, m: int) -> dict[str, torch.Tensor]:
         """The scratch buffers of a step of m rows, as [m, width] views (decode_step_offsets)."""
-        off = (i64 * (len(BUFFERS) + 1))()
-        self.lib.decode_step_offsets(ctypes.byref(self.model), m, off)
-        return {name: self._scratch[off[i]:off[i] + m * self.widths[name]].view(m, self.widths[name])
-                for i, name in enumerate(BUFFERS)}
+        if m not in self._views:
+            off = (i64 * (len(BUFFERS) + 1))()
+            self.lib.decode_step_offsets(ctypes.byref(self.model), m, off)
+            self._views[m] = {name: self._scratch[off[i]:off[i] + m * self.widths[name]].view(m, self.widths[name])
+                              for i, name in enumerate(BUFFERS)}
+        return self._views[m]
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
             seq_lens: torch.Tensor, starts: torch.Tensor, items: np.ndarray, heads_per_item: int,

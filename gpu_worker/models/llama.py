@@ -390,9 +390,11 @@ class CpuDecodeStep:
             attn, mlp = layer.self_attn, layer.mlp
             lins: tuple[Linear | RowParallelLinear, ...] = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             impls = [parallel.impl_for(rows, lin.weight, lin.bias) for lin in lins]
+            external = 0
             for j, (impl, lin) in enumerate(zip(impls, lins)):
-                if impl not in ("gemv", "gemm"):
+                if impl not in cpu_tune.POOL_IMPLS:
                     outside[(i, j)] = (impl, lin.weight, lin.bias)
+                    external |= 1 << j
             packed = [parallel.gemm_packed(lin.weight) if impl == "gemm" else None for impl, lin in zip(impls, lins)]
             tables.append(LayerTensors(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -400,7 +402,7 @@ class CpuDecodeStep:
                 mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
                 cast(torch.Tensor, a.k_cache), cast(torch.Tensor, a.v_cache), int(a.sliding_window or 0),
                 p_qkv=packed[0], p_o=packed[1], p_gu=packed[2], p_down=packed[3],
-                external=sum(1 << j for (li, j) in outside if li == i)))
+                external=external))
         cos, sin = self.layers[0].self_attn.rotary.table(torch.device("cpu"))
 
         def linear(layer: int, which: int, x: torch.Tensor) -> torch.Tensor:
@@ -411,7 +413,7 @@ class CpuDecodeStep:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 modules: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]) -> torch.Tensor:
-        """The step's final hidden rows: in C when it may, else (or while measuring) `modules`."""
+        """The step's final hidden rows: in C when it may, else by `modules`."""
         m = ids.shape[0]
         if not 0 < m <= GEMV_MAX_M or torch.is_grad_enabled() or ids.device.type != "cpu":
             return modules(ids, positions, meta)

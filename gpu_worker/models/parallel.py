@@ -222,7 +222,7 @@ def pack_linears(weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) ->
     for w, b in weights:
         if not (isinstance(w, nn.Parameter) and w.dim() == 2 and w.device.type == "cpu" and w.dtype in _DTYPES):
             continue
-        impls = {_impl(torch.empty(rows, w.shape[1], dtype=w.dtype), w, b) for rows in cpu_tune.BUCKETS}
+        impls = {impl_for(rows, w, b) for rows in cpu_tune.BUCKETS}
         for impl, fn in (("gemm", cpu_gemm.pack), ("onednn", _onednn_layout)):
             if impl in impls:
                 made += (id(w), fn) not in _packs

@@ -55,8 +55,8 @@ typedef struct {
     int64_t n_items, heads_per_item;
     void *scratch;                     /* decode_step_scratch(model, m) elements of `kind` */
     int64_t threads;
-    /* In: the stage to start from (0: a new step; 4 l + s resumes after layer l's linear s, which
-     * the caller computed). Out: the linear 4 l + s the caller must compute, or -1: done. */
+    /* Out: the linear p = 4 l + s (layer l's linear s) the caller must compute, or -1: done. In:
+     * the stage to start from, 0 for a new step, p + 1 once the caller has computed linear p. */
     int64_t next;
     const void *in, *res;              /* where the stages left the layer input and the residual */
 } DecodeStep;
